@@ -1,0 +1,108 @@
+"""Devices and honest timing.
+
+GPU work is asynchronous: ``time.perf_counter`` around a CUDA call measures the
+launch, not the kernel. Every timer here synchronises the device (or uses CUDA
+events) so the same code reports true times on a CPU and on a GPU. Each
+measurement also records the machine's load average, because a shared box makes
+any single number suspect.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """``prefer`` if available, else CUDA if present, else the CPU (never fails)."""
+    if prefer is not None:
+        if prefer.startswith("cuda") and not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device(prefer)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued work on ``device``; a no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_average() -> float:
+    """One-minute load average; over the core count means the timings are contended."""
+    return os.getloadavg()[0]
+
+
+@dataclass
+class Stopwatch:
+    """``with Stopwatch(device) as sw: ...`` then ``sw.ms``; synchronises on entry and exit."""
+
+    device: torch.device | str = "cpu"
+    ms: float = 0.0
+    load_avg: float = 0.0
+    _start: float = field(default=0.0, repr=False)
+
+    def __enter__(self) -> "Stopwatch":
+        synchronize(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        self.ms = (time.perf_counter() - self._start) * 1e3
+        self.load_avg = load_average()
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 1,
+    repeats: int = 5,
+) -> list[float]:
+    """Milliseconds per call of ``fn`` over ``repeats`` calls after ``warmup``.
+
+    On CUDA the interval is measured with events on the current stream, which
+    excludes Python overhead between calls but includes every queued kernel.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    device = torch.device(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            with Stopwatch(device) as sw:
+                fn()
+            times.append(sw.ms)
+    return times
+
+
+def describe_machine() -> dict[str, object]:
+    """A short description to print beside results: numbers mean little without it."""
+    info: dict[str, object] = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_avg": round(load_average(), 2),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpus"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    return info

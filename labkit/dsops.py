@@ -1,0 +1,117 @@
+"""Build DeepSpeed's JIT-compiled ops once per environment, before ranks start.
+
+DeepSpeed compiles C++ ops with gcc on first use (the CPU shared-memory comm op
+about 1-2 minutes, cpu_adam 1-4 minutes). Left to the ranks, every rank waits on
+the same file lock and a notebook cell looks hung; left in the shared default
+cache, two virtual environments keep rebuilding each other's copy. So labkit
+gives each environment its own ``TORCH_EXTENSIONS_DIR``, builds ops in one
+process first, prints what the build cost, and clears a lock left behind by a
+killed build (torch's lock is a bare file; a dead builder never removes it and
+the next build waits forever).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ENV_VAR = "TORCH_EXTENSIONS_DIR"
+COMM_OP = "ShareMemCommBuilder"
+CPU_ADAM_OP = "CPUAdamBuilder"
+ASYNC_IO_OP = "AsyncIOBuilder"
+
+
+def use_environment_extensions_dir() -> Path:
+    """Point ``TORCH_EXTENSIONS_DIR`` into this environment unless the user set it."""
+    default = Path(sys.prefix) / "torch_extensions"
+    path = Path(os.environ.setdefault(ENV_VAR, str(default)))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def lock_holders(lock_path: Path) -> list[int]:
+    """PIDs that hold ``lock_path`` open (torch's builder keeps its lock's fd open)."""
+    target = str(lock_path.resolve())
+    holders = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) == target:
+                    holders.append(int(proc.name))
+                    break
+        except OSError:
+            continue
+    return holders
+
+
+def is_stale(lock_exists: bool, holders: list[int]) -> bool:
+    """A lock nobody holds open was left by a builder that died."""
+    return lock_exists and not holders
+
+
+def clear_stale_locks(extensions_dir: Path | None = None) -> list[Path]:
+    """Remove build locks whose builder is gone; returns the removed paths."""
+    root = extensions_dir or use_environment_extensions_dir()
+    removed = []
+    for lock in root.glob("**/lock"):
+        if is_stale(lock.exists(), lock_holders(lock)):
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed
+
+
+def op_is_built(name: str) -> bool:
+    """Whether ``name``'s shared object is already in this environment's cache."""
+    builder = _builder(name)
+    if builder is None:
+        return True
+    root = use_environment_extensions_dir()
+    return any(root.glob(f"**/{builder.NAME}.so"))
+
+
+def _builder(name: str):  # -> deepspeed OpBuilder | None
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder(name)
+
+
+def ensure_built(names: tuple[str, ...] = (COMM_OP,), *, verbose: bool = True) -> dict[str, float]:
+    """Build (or load) each op in this process; returns seconds spent per op.
+
+    Ops the current accelerator does not have (the CPU comm op on a GPU box) are
+    skipped. The first build's cost is printed, not hidden.
+    """
+    use_environment_extensions_dir()
+    for lock in clear_stale_locks():
+        print(f"removed a stale DeepSpeed build lock left by a killed build: {lock}")
+    seconds = {}
+    for name in names:
+        builder = _builder(name)
+        if builder is None:
+            continue
+        cached = op_is_built(name)
+        if verbose and not cached:
+            print(f"building DeepSpeed op {builder.NAME} (once per environment, 1-4 min)...", flush=True)
+        start = time.perf_counter()
+        builder.load(verbose=False)
+        seconds[name] = time.perf_counter() - start
+        if verbose and not cached:
+            print(f"built {builder.NAME} in {seconds[name]:.0f} s into {os.environ[ENV_VAR]}")
+    return seconds
+
+
+def main() -> int:
+    """``python -m labkit.dsops [op ...]``: pre-build ops (CI and Binder call this)."""
+    names = tuple(sys.argv[1:]) or (COMM_OP, CPU_ADAM_OP)
+    spent = ensure_built(names)
+    for name, secs in spent.items():
+        print(f"{name}: ready ({secs:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Run a labkit function on N real processes, one per rank.
+
+Distributed labs must use real processes and real collectives: a simulation in
+one process hides exactly the costs the labs measure. ``launch`` starts the ranks
+with the *spawn* method (safe from a notebook), sets the variables ``torchrun``
+would set, pins one thread per rank on the CPU (otherwise two gloo ranks on two
+cores fight over threads and run ~10x slower), initialises the process group, and
+returns each rank's result in rank order.
+
+Failures are loud and leave nothing behind: a rank's exception is re-raised in
+the caller with its remote traceback and the tail of its log; a hang ends with
+:class:`RankTimeout`; in every case all ranks and their children are killed.
+
+The same rank functions run under ``torchrun`` or the ``deepspeed`` launcher::
+
+    torchrun --nproc-per-node 4 -m labkit.launcher labkit.gradsync:train_rank --kwargs '{"steps": 20}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable
+
+from labkit import dsops
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: str
+
+
+class RankError(RuntimeError):
+    """A rank raised; carries its rank, remote traceback and log tail."""
+
+    def __init__(self, rank: int, remote_traceback: str, log_tail: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.log_tail = log_tail
+        super().__init__(
+            f"rank {rank} failed:\n{remote_traceback}"
+            + (f"\n--- last lines of rank {rank}'s output ---\n{log_tail}" if log_tail else "")
+        )
+
+
+class RankTimeout(TimeoutError):
+    pass
+
+
+def rank_info() -> RankInfo:
+    """This process's place in the job (valid inside a launched rank or under torchrun)."""
+    backend = os.environ.get("LABKIT_BACKEND", "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return RankInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=local_rank,
+        backend=backend,
+        device=f"cuda:{local_rank}" if backend == "nccl" else "cpu",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _function_ref(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None)
+    if module in (None, "__main__") or "<locals>" in getattr(fn, "__qualname__", "<locals>"):
+        raise ValueError(
+            f"rank function {getattr(fn, '__qualname__', fn)!r} must be a top-level function "
+            "in an importable module (put it in labkit/), not in a notebook cell: "
+            "spawned ranks import it by name"
+        )
+    return f"{module}:{fn.__qualname__}"
+
+
+def resolve(ref: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function."""
+    module_name, _, name = ref.partition(":")
+    if not name:
+        raise ValueError(f"expected 'module:function', got {ref!r}")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _setup_rank_process(backend: str) -> None:
+    os.environ["LABKIT_BACKEND"] = backend
+    if backend == "gloo":
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _init_process_group(backend: str, timeout_s: float) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _rank_main(
+    ref: str,
+    rank: int,
+    env: dict[str, str],
+    kwargs: dict[str, Any],
+    init_group: bool,
+    log_path: str,
+    conn: Connection,
+) -> None:
+    os.setpgrp()
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update(env)
+    try:
+        _setup_rank_process(env["LABKIT_BACKEND"])
+        fn = resolve(ref)
+        if init_group:
+            _init_process_group(env["LABKIT_BACKEND"], float(env["LABKIT_TIMEOUT_S"]))
+        result = fn(**kwargs)
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            pass
+        conn.close()
+
+
+def _kill_group(proc: mp.process.BaseProcess) -> None:
+    if proc.pid is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.join(timeout=2)
+        if not proc.is_alive():
+            break
+    # children the rank started may outlive it in its group
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world_size`` fresh processes; results in rank order.
+
+    ``fn`` must be importable (defined in a module, not a notebook cell) and its
+    arguments and result picklable. ``env`` adds environment variables to every
+    rank (use it to switch emulations on or off).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    ref = _function_ref(fn)
+    dsops.use_environment_extensions_dir()
+    port = free_port()
+    log_dir = Path(tempfile.mkdtemp(prefix="labkit-ranks-"))
+    ctx = mp.get_context("spawn")
+    procs, conns, logs = [], [], []
+    try:
+        for rank in range(world_size):
+            rank_env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "LABKIT_BACKEND": backend,
+                "LABKIT_TIMEOUT_S": str(timeout_s),
+                **(env or {}),
+            }
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            log_path = log_dir / f"rank{rank}.log"
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(ref, rank, rank_env, kwargs, init_process_group, str(log_path), child_conn),
+                name=f"labkit-rank{rank}",
+            )
+            proc.start()
+            child_conn.close()
+            procs.append(proc)
+            conns.append(parent_conn)
+            logs.append(log_path)
+        return _collect(procs, conns, logs, timeout_s)
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+        for conn in conns:
+            conn.close()
+
+
+def _collect(
+    procs: list[mp.process.BaseProcess],
+    conns: list[Connection],
+    logs: list[Path],
+    timeout_s: float,
+) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    pending = dict(enumerate(conns))
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(pending)
+            raise RankTimeout(
+                f"ranks {missing} did not finish within timeout_s={timeout_s:g}s; "
+                f"a rank may be hung in a collective. Last lines of rank {missing[0]}:\n"
+                f"{_tail(logs[missing[0]])}"
+            )
+        ready = wait(list(pending.values()), timeout=min(remaining, 1.0))
+        for conn in ready:
+            rank = next(r for r, c in pending.items() if c is conn)
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                procs[rank].join(timeout=5)
+                raise RankError(
+                    rank,
+                    f"process exited with code {procs[rank].exitcode} before returning a result",
+                    _tail(logs[rank]),
+                ) from None
+            if status == "error":
+                raise RankError(rank, payload, _tail(logs[rank]))
+            results[rank] = payload
+            del pending[rank]
+    for proc in procs:
+        proc.join(timeout=10)
+    return [results[rank] for rank in range(len(procs))]
+
+
+def run_under_external_launcher(ref: str, kwargs: dict[str, Any]) -> Any:
+    """Entry point for torchrun/deepspeed: the launcher already set RANK etc."""
+    backend = os.environ.get("LABKIT_BACKEND") or (
+        "nccl" if _cuda_available() else "gloo"
+    )
+    _setup_rank_process(backend)
+    _init_process_group(backend, float(os.environ.get("LABKIT_TIMEOUT_S", 1800)))
+    try:
+        return resolve(ref)(**kwargs)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m labkit.launcher",
+        description="Run a labkit rank function under torchrun or the deepspeed launcher.",
+    )
+    parser.add_argument("function", help="module:function, e.g. labkit.gradsync:train_rank")
+    parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("RANK is not set: start this under torchrun or deepspeed, or call labkit.launcher.launch()")
+    result = run_under_external_launcher(args.function, json.loads(args.kwargs))
+    print(json.dumps({"rank": os.environ["RANK"], "result": result}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Rank functions for launcher tests: importable, so spawned ranks can find them."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def allreduce_rank(value: float) -> dict:
+    tensor = torch.tensor([value * (dist.get_rank() + 1)])
+    dist.all_reduce(tensor)
+    return {"rank": dist.get_rank(), "sum": tensor.item(), "threads": torch.get_num_threads()}
+
+
+def failing_rank(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"rank {bad_rank} was told to fail")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def hanging_rank(pid_dir: str) -> None:
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def deepspeed_rank() -> str:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    tensor = torch.ones(4)
+    deepspeed.comm.all_reduce(tensor)
+    return f"{dist.get_world_size()}:{tensor.sum().item()}"
