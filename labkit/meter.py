@@ -73,13 +73,13 @@ class StepMeter:
     def iterate(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield batches, timing each fetch as waiting."""
         iterator = iter(batches)
+        done = object()
         while True:
             with self.waiting():
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    self.wait_ms.pop()
-                    return
+                batch = next(iterator, done)
+            if batch is done:
+                self.wait_ms.pop()
+                return
             yield batch
 
     def summary(self) -> MeterSummary:

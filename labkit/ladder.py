@@ -1,0 +1,191 @@
+"""Lab 1's experiment: one training loop, fed by each rung of the loader ladder.
+
+The loop and the accelerator never change between rungs; only the loader does.
+So any change in busy fraction or images/s is the input pipeline's doing. On a
+GPU the accelerator is a real CNN; on a CPU-only machine it is the
+:class:`~labkit.loaders.StandInAccelerator` emulation (see its docstring for why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from labkit import loaders
+from labkit.dataset import Dataset
+from labkit.meter import MeterSummary, StepMeter
+from labkit.paths import data_dir
+from labkit.plots import BASELINE, FIX, WARN, bars, figure
+from labkit.profiles import Profile
+
+
+@dataclass(frozen=True)
+class LadderSizes:
+    num_images: int
+    image_px: int
+    batch_size: int
+    workers: int
+    stand_in_images_per_s: float
+    remote_latency_ms: float
+    remote_images: int
+    fast_epochs: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.stand_in_images_per_s <= 0 or self.remote_latency_ms < 0:
+            raise ValueError("stand_in_images_per_s must be > 0 and remote_latency_ms >= 0")
+
+
+SIZES = {
+    "ci": LadderSizes(num_images=1600, image_px=32, batch_size=128, workers=2,
+                      stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
+    "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
+                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+    "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
+                             stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+}
+
+RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WARN}
+
+
+def accelerator_for(profile: Profile, sizes: LadderSizes) -> loaders.StandInAccelerator | loaders.ModelStep:
+    """A real model on a GPU; the explicit stand-in emulation on a CPU-only machine."""
+    if profile.on_gpu:
+        return loaders.ModelStep(profile.device)
+    return loaders.StandInAccelerator(sizes.stand_in_images_per_s)
+
+
+def measure(batches: Iterable[loaders.Batch], accelerator, *, device: str = "cpu", epochs: int = 1,
+            make_batches=None) -> MeterSummary:
+    """Run the training loop over ``batches`` (or ``make_batches(epoch)`` per epoch) and meter it."""
+    meter = StepMeter(device=device)
+    for epoch in range(epochs):
+        source = make_batches(epoch) if make_batches else batches
+        for images, labels in meter.iterate(source):
+            with meter.computing(len(images)):
+                accelerator.step(images, labels)
+    return meter.summary()
+
+
+@dataclass
+class Ladder:
+    """Holds the dataset slice, the accelerator and every rung's result."""
+
+    dataset: Dataset
+    sizes: LadderSizes
+    accelerator: object
+    device: str = "cpu"
+    results: dict[str, MeterSummary] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        paths, labels = self.dataset.paths_and_labels()
+        self.paths = paths[: self.sizes.num_images]
+        self.labels = labels[: self.sizes.num_images]
+
+    def _record(self, rung: str, summary: MeterSummary) -> MeterSummary:
+        self.results[rung] = summary
+        return summary
+
+    def in_ram(self) -> MeterSummary:
+        """Decode a training slice once, keep it in RAM, train from memory."""
+        pixels = torch.from_numpy(loaders.decode_all(loaders._ReadFile(self.paths), len(self.paths),
+                                                     self.sizes.image_px, desc="loading slice into RAM"))
+        labels = torch.tensor(self.labels)
+        make = lambda epoch: loaders.InRamBatches(pixels, labels, batch_size=self.sizes.batch_size,
+                                                  epoch=epoch, device=self.device)
+        return self._record("in RAM", measure(None, self.accelerator, device=self.device,
+                                              epochs=self.sizes.fast_epochs, make_batches=make))
+
+    def files(self, *, workers: int | None = None, draft: bool = False, rung: str | None = None) -> MeterSummary:
+        """The normal path: read, decode, resize and flip in DataLoader workers."""
+        workers = self.sizes.workers if workers is None else workers
+        loader = loaders.file_loader(self.paths, self.labels, batch_size=self.sizes.batch_size,
+                                     image_px=self.sizes.image_px, num_workers=workers, draft=draft)
+        name = rung or ("files + draft decode" if draft else "files")
+        return self._record(name, measure(loader, self.accelerator, device=self.device))
+
+    def remote(self) -> MeterSummary:
+        """Every object fetched through the emulated remote store, every epoch."""
+        count = self.sizes.remote_images
+        store = loaders.RemoteStore(self.paths[:count], self.sizes.remote_latency_ms)
+        loader = store.loader(self.labels[:count], batch_size=self.sizes.batch_size,
+                              image_px=self.sizes.image_px, num_workers=self.sizes.workers)
+        return self._record("remote, no cache", measure(loader, self.accelerator, device=self.device))
+
+    def raw_cache(self) -> tuple[MeterSummary, loaders.RawCache]:
+        """Fetch each remote object once into RAM, then train from the cached bytes."""
+        store = loaders.RemoteStore(self.paths, self.sizes.remote_latency_ms)
+        cache = loaders.RawCache.fill(store, len(self.paths))
+        loader = cache.loader(self.labels, batch_size=self.sizes.batch_size,
+                              image_px=self.sizes.image_px, num_workers=self.sizes.workers)
+        return self._record("raw cache", measure(loader, self.accelerator, device=self.device)), cache
+
+    def transformed_cache(self) -> tuple[MeterSummary, loaders.TransformedCache]:
+        """Decode once to a pixel cache on local disk, then train from the memory map."""
+        path = data_dir() / "cache" / f"{self.dataset.name}-{len(self.paths)}-{self.sizes.image_px}px.npy"
+        cache = loaders.TransformedCache.build(self.paths, self.labels, path, image_px=self.sizes.image_px)
+        make = lambda epoch: cache.loader(batch_size=self.sizes.batch_size, epoch=epoch, device=self.device)
+        summary = measure(None, self.accelerator, device=self.device, epochs=self.sizes.fast_epochs,
+                          make_batches=make)
+        return self._record("transformed cache", summary), cache
+
+    def worker_sweep(self, workers: tuple[int, ...]) -> dict[int, MeterSummary]:
+        """The file path with 0, 1, ... DataLoader workers (0 = decode in the training loop)."""
+        return {w: self.files(workers=w, rung=f"files, {w} workers") for w in workers}
+
+    def model_on_the_loaders_cpu(self, workers: tuple[int, ...], *, num_images: int,
+                                 width: int = 8) -> dict[int, MeterSummary]:
+        """The aside: a real model on the *same* CPU as the loader workers.
+
+        Busy fraction counts the time the model runs, and a model whose cores are
+        shared with decoding workers runs longer: busy fraction rises with more
+        workers while images/s does not.
+        """
+        model = loaders.ModelStep("cpu", width=width)
+        out = {}
+        for w in workers:
+            loader = loaders.file_loader(self.paths[:num_images], self.labels[:num_images],
+                                         batch_size=self.sizes.batch_size, image_px=self.sizes.image_px,
+                                         num_workers=w)
+            out[w] = measure(loader, model)
+        return out
+
+    def table(self) -> list[dict[str, object]]:
+        return [{"rung": rung, **summary.as_row()} for rung, summary in self.results.items()]
+
+    def plot(self, rungs: list[str] | None = None):
+        rungs = rungs or list(self.results)
+        fig, (busy_ax, rate_ax) = figure(2, width=11, height=3.8)
+        colours = [RUNG_COLOURS.get(r, BASELINE) for r in rungs]
+        bars(busy_ax, rungs, [self.results[r].busy_fraction for r in rungs], colors=colours,
+             ylabel="busy fraction", title="accelerator busy fraction")
+        busy_ax.set_ylim(0, 1.1)
+        bars(rate_ax, rungs, [self.results[r].items_per_s for r in rungs], colors=colours,
+             fmt="{:.0f}", ylabel="images / s", title="training throughput")
+        fig.tight_layout()
+        return fig
+
+
+def deterministic_batches(paths: list[str], labels: list[int], *, batch_size: int, workers: int,
+                          image_px: int = 32) -> list[list[int]]:
+    """Labels of each batch from labkit's file loader (seeded sampler, in-order workers)."""
+    loader = loaders.file_loader(paths, labels, batch_size=batch_size, num_workers=workers, image_px=image_px)
+    return [batch_labels.tolist() for _, batch_labels in loader]
+
+
+def cache_cost(cache: loaders.TransformedCache, dataset_bytes: int) -> dict[str, float]:
+    """Disk the transformed cache takes against the JPEGs it replaces."""
+    return {"jpeg_mb": dataset_bytes / 1e6, "cache_mb": cache.nbytes / 1e6,
+            "ratio": cache.nbytes / dataset_bytes}
+
+
+def dataset_bytes(paths: list[str]) -> int:
+    return int(np.sum([Path(p).stat().st_size for p in paths]))

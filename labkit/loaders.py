@@ -1,0 +1,374 @@
+"""Lab 1's input pipelines, from the slow path to the fix, side by side.
+
+Every loader yields the same batches -- ``(uint8 images [B, 3, px, px], int64
+labels [B])`` -- so the training loop, and the step meter around it, never
+change; only where the pixels come from does:
+
+* :class:`InRamBatches` -- a training slice already decoded in RAM: the ceiling.
+* :func:`file_loader` -- the normal path: read a JPEG, decode, resize, flip.
+* :class:`RemoteStore` -- an *emulated* object store that adds a per-object GET
+  latency (this box has no remote storage; the latency is a parameter).
+* :class:`RawCache` -- remote bytes cached in RAM: removes the latency, keeps the
+  conversion cost.
+* :class:`TransformedCache` -- decoded, resized pixels cached on local disk: the
+  fix Mittal describes (cache the *converted* tensors, not the raw reads).
+
+The loaders are deterministic: the order comes from a seeded sampler, each
+DataLoader worker is handed its batches up front and the batches come back in
+order, and the random flip of a sample depends only on (seed, epoch, index).
+:func:`naive_parallel_batches` keeps the pitfall for comparison.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset as TorchDataset
+from tqdm.auto import tqdm
+
+from labkit.atomic import atomic_file
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def decode(data: bytes, image_px: int, *, draft: bool = False) -> np.ndarray:
+    """JPEG bytes -> uint8 (image_px, image_px, 3).
+
+    ``draft`` lets libjpeg decode at a reduced scale (1/2, 1/4, 1/8) straight
+    from the DCT coefficients, so most pixels are never produced: the decode-side
+    fix for training at a resolution far below the stored one.
+    """
+    if image_px < 1:
+        raise ValueError(f"image_px must be >= 1, got {image_px}")
+    image = Image.open(io.BytesIO(data))
+    if draft:
+        image.draft("RGB", (image_px, image_px))
+    image = image.convert("RGB").resize((image_px, image_px), Image.BILINEAR)
+    return np.asarray(image)
+
+
+def flip_decisions(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """Per-sample augmentation that depends on what the sample is, not which worker ran it.
+
+    A splitmix64 hash of (seed, epoch, index): the same answer in any worker, in
+    any order, vectorised so a whole batch costs one call.
+    """
+    with np.errstate(over="ignore"):
+        x = (np.asarray(indices, dtype=np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+             + np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(63)).astype(bool)
+
+
+def flip_decision(seed: int, epoch: int, index: int) -> bool:
+    return bool(flip_decisions(seed, epoch, np.array([index]))[0])
+
+
+def shuffled_order(num_items: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_items)
+
+
+class _DecodedImages(TorchDataset):
+    """Fetch bytes with ``fetch(i)``, decode, resize, flip: the conversion on every step."""
+
+    def __init__(self, fetch: Callable[[int], bytes], labels: Sequence[int], image_px: int,
+                 *, draft: bool, augment: bool, seed: int, epoch: int = 0):
+        self.fetch, self.labels, self.image_px = fetch, list(labels), image_px
+        self.draft, self.augment, self.seed, self.epoch = draft, augment, seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        pixels = decode(self.fetch(index), self.image_px, draft=self.draft)
+        if self.augment and flip_decision(self.seed, self.epoch, index):
+            pixels = pixels[:, ::-1]
+        return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))), self.labels[index]
+
+
+class _ReadFile:
+    """Picklable ``fetch`` for DataLoader workers."""
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = list(paths)
+
+    def __call__(self, index: int) -> bytes:
+        return Path(self.paths[index]).read_bytes()
+
+
+def _check_sizes(batch_size: int, num_workers: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+
+
+def _decoded_loader(fetch: Callable[[int], bytes], labels: Sequence[int], *, batch_size: int, image_px: int,
+                    num_workers: int, seed: int, epoch: int, augment: bool, draft: bool,
+                    prefetch_factor: int) -> DataLoader:
+    _check_sizes(batch_size, num_workers)
+    images = _DecodedImages(fetch, labels, image_px, draft=draft, augment=augment, seed=seed, epoch=epoch)
+    return DataLoader(
+        images,
+        batch_size=batch_size,
+        sampler=shuffled_order(len(images), seed, epoch).tolist(),
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers else None,
+        persistent_workers=False,
+    )
+
+
+def file_loader(paths: Sequence[str], labels: Sequence[int], *, batch_size: int, image_px: int = 32,
+                num_workers: int = 2, seed: int = 0, epoch: int = 0, augment: bool = True,
+                draft: bool = False, prefetch_factor: int = 2) -> DataLoader:
+    """The normal path: a PyTorch DataLoader whose workers read, decode, resize and flip."""
+    if len(paths) != len(labels):
+        raise ValueError(f"paths and labels must have the same length, got {len(paths)} and {len(labels)}")
+    return _decoded_loader(_ReadFile(paths), labels, batch_size=batch_size, image_px=image_px,
+                           num_workers=num_workers, seed=seed, epoch=epoch, augment=augment,
+                           draft=draft, prefetch_factor=prefetch_factor)
+
+
+class RemoteStore:
+    """EMULATED object storage: every GET waits ``latency_ms`` before reading the local file.
+
+    This box has no remote storage, so per-object latency (the dominant cost of
+    small-object reads from S3-like stores) is a parameter. It sleeps, using no
+    CPU, as a network wait would. Set ``latency_ms=0`` to switch it off.
+    """
+
+    def __init__(self, paths: Sequence[str], latency_ms: float):
+        if latency_ms < 0:
+            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+        self.paths, self.latency_ms = list(paths), latency_ms
+
+    def __call__(self, index: int) -> bytes:
+        time.sleep(self.latency_ms / 1e3)
+        return Path(self.paths[index]).read_bytes()
+
+    def loader(self, labels: Sequence[int], **kwargs) -> DataLoader:
+        """Every epoch fetches every object again: latency on the critical path."""
+        return _decoded_loader(self, labels, **_loader_defaults(kwargs))
+
+
+class RawCache:
+    """Raw bytes kept in RAM after one fetch: the latency is gone, the conversion is not."""
+
+    def __init__(self, blobs: list[bytes]):
+        self.blobs = blobs
+
+    @classmethod
+    def fill(cls, fetch: Callable[[int], bytes], count: int, *, threads: int = 32) -> "RawCache":
+        """Fetch every object once, many at a time (a GET is I/O-bound, so threads help)."""
+        with ThreadPoolExecutor(threads) as pool:
+            blobs = list(tqdm(pool.map(fetch, range(count)), total=count, desc="filling raw cache"))
+        return cls(blobs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blobs)
+
+    def __call__(self, index: int) -> bytes:
+        return self.blobs[index]
+
+    def loader(self, labels: Sequence[int], **kwargs) -> DataLoader:
+        return _decoded_loader(self, labels, **_loader_defaults(kwargs))
+
+
+def _loader_defaults(kwargs: dict) -> dict:
+    defaults = dict(batch_size=64, image_px=32, num_workers=2, seed=0, epoch=0, augment=True,
+                    draft=False, prefetch_factor=2)
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown loader arguments {sorted(unknown)}; valid: {sorted(defaults)}")
+    return {**defaults, **kwargs}
+
+
+class InRamBatches:
+    """Decoded, resized pixels held in RAM; flips applied to the whole batch.
+
+    Random augmentation moves from the sample (in a worker) to the batch (on the
+    accelerator, where there is one): one flip mask per batch costs almost nothing.
+    """
+
+    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, *, batch_size: int, seed: int = 0,
+                 epoch: int = 0, augment: bool = True, device: torch.device | str = "cpu"):
+        _check_sizes(batch_size, 0)
+        if pixels.ndim != 4 or pixels.shape[1] != 3 or pixels.dtype != torch.uint8:
+            raise ValueError(f"pixels must be uint8 [N, 3, H, W], got {pixels.dtype} {tuple(pixels.shape)}")
+        self.pixels, self.labels = pixels, labels
+        self.batch_size, self.seed, self.epoch, self.augment = batch_size, seed, epoch, augment
+        self.device = torch.device(device)
+
+    def __len__(self) -> int:
+        return (len(self.labels) + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        order = torch.from_numpy(shuffled_order(len(self.labels), self.seed, self.epoch))
+        for start in range(0, len(order), self.batch_size):
+            index = order[start:start + self.batch_size]
+            images = self._rows(index).to(self.device, non_blocking=True)
+            if self.augment:
+                images = flip_batch(images, self.seed, self.epoch, index)
+            yield images, self.labels.index_select(0, index)
+
+    def _rows(self, index: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.pixels, torch.Tensor):
+            return self.pixels.index_select(0, index)
+        return self.pixels[index.numpy()]
+
+
+def flip_batch(images: torch.Tensor, seed: int, epoch: int, index: torch.Tensor) -> torch.Tensor:
+    """Flip, in place, the samples whose per-sample decision says so: one pass over the batch."""
+    chosen = torch.from_numpy(np.flatnonzero(flip_decisions(seed, epoch, index.numpy()))).to(images.device)
+    images[chosen] = images.index_select(0, chosen).flip(-1)
+    return images
+
+
+def decode_all(fetch: Callable[[int], bytes], count: int, image_px: int, *, draft: bool = True,
+               desc: str = "decoding") -> np.ndarray:
+    """Decode every image once: uint8 [N, 3, px, px]."""
+    pixels = np.empty((count, 3, image_px, image_px), dtype=np.uint8)
+    for i in tqdm(range(count), desc=desc):
+        pixels[i] = decode(fetch(i), image_px, draft=draft).transpose(2, 0, 1)
+    return pixels
+
+
+@dataclass(frozen=True)
+class TransformedCache:
+    """Converted pixels on local disk (a NumPy memory map), built once, read every epoch.
+
+    It costs disk (3 * px * px bytes an image, uncompressed), and it freezes any
+    augmentation applied before it -- so only the deterministic part (decode,
+    resize) is cached and random flips move to the batch.
+    """
+
+    path: Path
+    labels: np.ndarray
+
+    @classmethod
+    def build(cls, paths: Sequence[str], labels: Sequence[int], path: str | Path, *, image_px: int) -> "TransformedCache":
+        path = Path(path)
+        labels_array = np.asarray(labels, dtype=np.int64)
+        if path.exists():
+            cached = np.load(path, mmap_mode="r")
+            if cached.shape == (len(paths), 3, image_px, image_px):
+                return cls(path, labels_array)
+        pixels = decode_all(_ReadFile(paths), len(paths), image_px, desc="building transformed cache")
+        with atomic_file(path) as tmp:
+            with open(tmp, "wb") as handle:
+                np.save(handle, pixels)
+        return cls(path, labels_array)
+
+    @property
+    def nbytes(self) -> int:
+        return self.path.stat().st_size
+
+    def loader(self, *, batch_size: int, seed: int = 0, epoch: int = 0, augment: bool = True,
+               device: torch.device | str = "cpu") -> InRamBatches:
+        pixels = np.load(self.path, mmap_mode="r")
+        return InRamBatches(_MemmapPixels(pixels), torch.from_numpy(self.labels), batch_size=batch_size,
+                            seed=seed, epoch=epoch, augment=augment, device=device)
+
+
+class _MemmapPixels:
+    """Quacks like the uint8 tensor InRamBatches indexes, reading rows from the memory map."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.ndim, self.shape, self.dtype = 4, (array.shape[0], *array.shape[1:]), torch.uint8
+
+    def __getitem__(self, index: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.array[np.sort(index)][np.argsort(np.argsort(index))])
+
+
+class StandInAccelerator:
+    """EMULATED accelerator for CPU-only machines: it takes time but no host CPU.
+
+    A GPU runs the model without using the host's cores, so the loader has the
+    CPU to itself. Running a real model on this box's CPU would steal the
+    loader's cores and blur the diagnosis, so the stand-in just sleeps
+    ``len(batch) / images_per_s``. On a GPU, labkit uses a real model instead.
+    """
+
+    def __init__(self, images_per_s: float):
+        if images_per_s <= 0:
+            raise ValueError(f"images_per_s must be > 0, got {images_per_s}")
+        self.images_per_s = images_per_s
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        time.sleep(len(images) / self.images_per_s)
+
+
+class ModelStep:
+    """A real small CNN training step at low resolution (the GPU path, and the CPU aside)."""
+
+    def __init__(self, device: torch.device | str, *, width: int = 32, num_classes: int = 10, seed: int = 0):
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), torch.nn.ReLU(),
+            torch.nn.Conv2d(2 * width, 4 * width, 3, padding=1, stride=2), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4 * width, num_classes),
+        ).to(self.device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        x = images.to(self.device, non_blocking=True).float().div_(255)
+        loss = torch.nn.functional.cross_entropy(self.model(x), labels.to(self.device, non_blocking=True))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+def naive_parallel_batches(paths: Sequence[str], labels: Sequence[int], *, batch_size: int,
+                           workers: int = 2, image_px: int = 32) -> list[list[int]]:
+    """THE PITFALL: each worker takes a contiguous shard of the file listing and all of
+    them push into one shared queue; batches are cut in arrival order.
+
+    File listings are usually sorted (here, by class folder), so each worker
+    serves a few classes at a time and batches are skewed; the interleaving of
+    workers depends on timing, so the order changes from run to run. Returns the
+    labels of each batch.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    order = sorted(range(len(paths)), key=lambda i: paths[i])
+    shards = np.array_split(np.array(order), workers)
+    arrivals: queue.Queue[int] = queue.Queue()
+
+    def work(shard: np.ndarray) -> None:
+        for index in shard:
+            decode(Path(paths[index]).read_bytes(), image_px)
+            arrivals.put(labels[index])
+
+    threads = [threading.Thread(target=work, args=(shard,)) for shard in shards]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    arrived = [arrivals.get() for _ in range(len(paths))]
+    return [arrived[i:i + batch_size] for i in range(0, len(arrived), batch_size)]
+
+
+def batch_label_skew(batches: Sequence[Sequence[int]], num_classes: int) -> float:
+    """Mean share of the most common class in a batch (1/num_classes is perfectly mixed)."""
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    shares = [np.bincount(b, minlength=num_classes).max() / len(b) for b in batches if len(b)]
+    return float(np.mean(shares))

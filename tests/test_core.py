@@ -1,0 +1,132 @@
+"""The shared core: profiles, timing, the step meter, atomic writes, the op cache."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from labkit import atomic, dsops, profiles
+from labkit.devices import Stopwatch, describe_machine, pick_device, time_ms
+from labkit.meter import StepMeter
+
+
+def test_profile_defaults_to_ci_without_a_gpu(monkeypatch):
+    monkeypatch.delenv("LABKIT_PROFILE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    chosen = profiles.profile()
+    assert (chosen.name, chosen.device, chosen.backend, chosen.ranks) == ("ci", "cpu", "gloo", 2)
+
+
+def test_env_var_overrides_detection(monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "ci")
+    assert profiles.profile().name == "ci"
+
+
+def test_unknown_profile_names_the_valid_ones(monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "tpu-pod")
+    with pytest.raises(ValueError, match=r"one of \('ci', 'gpu', 'multi-gpu'\).*'tpu-pod'"):
+        profiles.profile()
+
+
+def test_gpu_profile_without_a_gpu_is_an_error_not_a_silent_cpu_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        profiles.profile("gpu")
+
+
+def test_pick_reads_the_active_profiles_entry_and_names_missing_ones():
+    ci = profiles.profile("ci")
+    assert ci.pick({"ci": 1, "gpu": 2}) == 1
+    with pytest.raises(KeyError, match="no entry for profile 'ci'"):
+        ci.pick({"gpu": 2})
+
+
+def test_pick_device_falls_back_to_cpu():
+    if not torch.cuda.is_available():
+        assert pick_device("cuda").type == "cpu"
+    assert pick_device("cpu").type == "cpu"
+
+
+def test_stopwatch_and_time_ms_measure_real_time():
+    with Stopwatch("cpu") as sw:
+        time.sleep(0.05)
+    assert 45 <= sw.ms < 1000
+    times = time_ms(lambda: time.sleep(0.01), repeats=3, warmup=0)
+    assert len(times) == 3 and min(times) >= 9
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        time_ms(lambda: None, repeats=0)
+    assert describe_machine()["cores"] == os.cpu_count()
+
+
+def test_step_meter_splits_waiting_from_compute():
+    meter = StepMeter(skip_first=0)
+
+    def slow_batches():
+        for _ in range(3):
+            time.sleep(0.03)
+            yield [0] * 10
+
+    for batch in meter.iterate(slow_batches()):
+        with meter.computing(len(batch)):
+            time.sleep(0.01)
+    summary = meter.summary()
+    assert summary.steps == 3 and summary.items == 30
+    assert 0.1 < summary.busy_fraction < 0.4
+    assert summary.wait_ms >= 85 and summary.compute_ms >= 28
+    assert summary.items_per_s < 30 / 0.12
+
+
+def test_step_meter_without_steps_says_so():
+    with pytest.raises(RuntimeError, match="no steps were measured"):
+        StepMeter().summary()
+
+
+def test_atomic_file_leaves_the_old_file_when_the_writer_fails(tmp_path):
+    target = tmp_path / "state.bin"
+    atomic.write_bytes_atomic(target, b"old")
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_file(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("killed mid-write")
+    assert target.read_bytes() == b"old"
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_atomic_directory_replaces_only_when_complete(tmp_path):
+    target = tmp_path / "set"
+    with atomic.atomic_directory(target) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_directory(target) as tmp:
+            (tmp / "a").write_text("2")
+            raise RuntimeError("interrupted")
+    assert (target / "a").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
+    (tmp_path / ".set.tmp-999999999-abcd1234").mkdir()
+    live = tmp_path / f".x.tmp-{os.getpid()}-abcd1234"
+    live.write_text("mine")
+    assert atomic.remove_stale_temporaries(tmp_path) == 1
+    assert live.exists()
+
+
+def test_a_build_lock_nobody_holds_is_stale(tmp_path):
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    assert dsops.lock_holders(lock) == []
+    with open(lock) as held:
+        assert dsops.lock_holders(lock) == [os.getpid()]
+        assert dsops.clear_stale_locks(tmp_path) == []
+    assert dsops.clear_stale_locks(tmp_path) == [lock]
+    assert not lock.exists()
+
+
+def test_extensions_dir_is_per_environment(monkeypatch):
+    import sys
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert str(dsops.use_environment_extensions_dir()).startswith(sys.prefix)

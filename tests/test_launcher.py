@@ -1,0 +1,47 @@
+"""Real ranks: results in order, failures loud, hangs bounded, nothing left behind."""
+
+import os
+import time
+
+import pytest
+
+from labkit.launcher import RankError, RankTimeout, launch
+from tests import rankfns
+
+
+def test_ranks_run_a_real_all_reduce_with_one_thread_each():
+    results = launch(rankfns.allreduce_rank, 2, value=1.0, timeout_s=120)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["sum"] == 3.0 for r in results)
+    assert all(r["threads"] == 1 for r in results)
+
+
+def test_a_failing_rank_is_reraised_with_its_traceback():
+    with pytest.raises(RankError, match="rank 1 failed") as info:
+        launch(rankfns.failing_rank, 2, bad_rank=1, timeout_s=120)
+    assert "rank 1 was told to fail" in info.value.remote_traceback
+    assert "rankfns.py" in info.value.remote_traceback
+
+
+def test_a_hung_rank_times_out_and_no_rank_survives(tmp_path):
+    with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] did not finish within timeout_s=8s"):
+        launch(rankfns.hanging_rank, 2, timeout_s=8, pid_dir=str(tmp_path))
+    time.sleep(0.5)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_functions_from_a_notebook_cell_are_refused_with_the_fix():
+    def local_fn():
+        return 1
+
+    with pytest.raises(ValueError, match="importable module"):
+        launch(local_fn, 2)
+
+
+@pytest.mark.parametrize("bad", [dict(world_size=0), dict(world_size=2, timeout_s=0), dict(world_size=2, backend="mpi")])
+def test_bad_launch_arguments_name_the_argument(bad):
+    world_size = bad.pop("world_size")
+    with pytest.raises(ValueError, match="world_size|timeout_s|backend"):
+        launch(rankfns.allreduce_rank, world_size, value=1.0, **bad)

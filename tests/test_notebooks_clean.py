@@ -1,0 +1,28 @@
+"""Notebooks are committed without outputs, and each lab in the course map has one."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit.course import LABS, notebooks_dir
+
+NOTEBOOKS = sorted(notebooks_dir().glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_without_outputs(path: Path):
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them (jupyter nbconvert --clear-output --inplace)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_cell_names_the_labkit_modules(path: Path):
+    first = json.loads(path.read_text())["cells"][0]
+    assert first["cell_type"] == "markdown" and "labkit/" in "".join(first["source"])
+
+
+def test_every_notebook_belongs_to_a_lab_of_the_course_map():
+    names = {lab.notebook for lab in LABS}
+    assert {p.name for p in NOTEBOOKS} <= names

@@ -1,0 +1,52 @@
+"""`labkit run`: lab selection, a report that shows failures, clear errors."""
+
+import pytest
+
+from labkit import cli, results
+from labkit.course import LABS, select
+from labkit.runner import LabRun, check_out_dir, write_report
+
+
+def test_select_accepts_numbers_slugs_and_all():
+    assert [lab.number for lab in select(["3", "05", "zero_memory"])] == [3, 5, 4]
+    assert select(["all"]) == list(LABS)
+
+
+def test_unknown_lab_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown lab '99'; choose from: all, 1 \(input_pipeline\)"):
+        select(["99"])
+
+
+def test_report_shows_the_failing_lab_with_its_error(tmp_path):
+    figure = results.Figure(1, "transformed cache / in RAM", 0.93, "x", reported="~85% utilisation from RAM")
+    runs = [LabRun(LABS[0], True, 12.0, figures=[figure]), LabRun(LABS[1], False, 3.0, error="AssertionError: boom")]
+    md, html = write_report(runs, tmp_path)
+    text = md.read_text()
+    assert "| 1 input_pipeline | passed |" in text and "0.93 x" in text and "~85% utilisation" in text
+    assert "**FAILED**" in text and "AssertionError: boom" in text and "1 of 2 labs passed" in text
+    assert "AssertionError: boom" in html.read_text()
+
+
+def test_unwritable_out_dir_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--out .* is not a writable folder"):
+        check_out_dir(blocker / "sub")
+
+
+def test_cli_rejects_unknown_profiles_and_labs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--profile", "tpu"])
+    assert "profile must be one of" in capsys.readouterr().err
+    assert cli.main(["run", "nope", "--out", "/tmp/labkit-test-out"]) == 2
+
+
+def test_record_writes_only_when_collected(tmp_path, monkeypatch):
+    monkeypatch.delenv(results.ENV_VAR, raising=False)
+    assert results.record(2, "x", 1.0).value == 1.0
+    target = tmp_path / "f.jsonl"
+    monkeypatch.setenv(results.ENV_VAR, str(target))
+    results.record(2, "speedup", 1.5, "x", reported="2-7x (Eventual)")
+    assert results.read(target) == [results.Figure(2, "speedup", 1.5, "x", "2-7x (Eventual)")]
+    with pytest.raises(ValueError, match="lab must be in 1..8"):
+        results.record(9, "x", 1.0)
