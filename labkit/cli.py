@@ -33,6 +33,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _card(args: argparse.Namespace) -> int:
+    from labkit.machinecard import bottlenecks, format_card, measure_card
+
+    card = measure_card()
+    print(format_card(card))
+    print(f"\nfor a {args.params:.3g}-parameter model, batch {args.batch}, {args.ranks} ranks "
+          "(rough seconds per step, slowest first):")
+    for estimate in bottlenecks(card, num_params=int(args.params), batch_size=args.batch, ranks=args.ranks):
+        print(f"  {estimate.component:32s} {estimate.seconds * 1e3:10.2f} ms  -> see Lab {estimate.lab}")
+    return 0
+
+
 def _ops(args: argparse.Namespace) -> int:
     from labkit import dsops
 
@@ -57,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
     doctor = sub.add_parser("doctor", help="what this machine offers for the labs")
     doctor.set_defaults(func=_doctor)
+    card = sub.add_parser("profile", help="a one-minute machine card and the bottleneck it suggests")
+    card.add_argument("--params", type=float, default=125e6, help="model parameters (default 125e6)")
+    card.add_argument("--batch", type=int, default=256, help="samples per step per rank (default 256)")
+    card.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (default 2)")
+    card.set_defaults(func=_card)
     ops = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops into this environment")
     ops.add_argument("ops", nargs="*", default=["ShareMemCommBuilder", "CPUAdamBuilder"])
     ops.set_defaults(func=_ops)

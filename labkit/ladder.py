@@ -8,9 +8,10 @@ GPU the accelerator is a real CNN; on a CPU-only machine it is the
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -63,15 +64,36 @@ def accelerator_for(profile: Profile, sizes: LadderSizes) -> loaders.StandInAcce
     return loaders.StandInAccelerator(sizes.stand_in_images_per_s)
 
 
+@contextmanager
+def host_threads(count: int | None) -> Iterator[None]:
+    """Limit the training loop's intra-op threads for the duration of a measurement.
+
+    With a stand-in accelerator the loop's own process only assembles batches.
+    Left at the default, its OpenMP threads spin against the DataLoader workers for
+    the same cores and a 1 ms batch gather can take 50 ms on a loaded 2-core box.
+    """
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure(batches: Iterable[loaders.Batch], accelerator, *, device: str = "cpu", epochs: int = 1,
             make_batches=None) -> MeterSummary:
     """Run the training loop over ``batches`` (or ``make_batches(epoch)`` per epoch) and meter it."""
     meter = StepMeter(device=device)
-    for epoch in range(epochs):
-        source = make_batches(epoch) if make_batches else batches
-        for images, labels in meter.iterate(source):
-            with meter.computing(len(images)):
-                accelerator.step(images, labels)
+    threads = 1 if isinstance(accelerator, loaders.StandInAccelerator) else None
+    with host_threads(threads):
+        for epoch in range(epochs):
+            source = make_batches(epoch) if make_batches else batches
+            for images, labels in meter.iterate(source):
+                with meter.computing(len(images)):
+                    accelerator.step(images, labels)
     return meter.summary()
 
 
@@ -189,3 +211,50 @@ def cache_cost(cache: loaders.TransformedCache, dataset_bytes: int) -> dict[str,
 
 def dataset_bytes(paths: list[str]) -> int:
     return int(np.sum([Path(p).stat().st_size for p in paths]))
+
+
+def loader_bound_busy_fraction(accelerator_images_per_s: float, per_worker_images_per_s: float,
+                               workers: int) -> float:
+    """The best busy fraction a decode-bound loader allows: supply over demand, at most 1.
+
+    With 0 workers the loop decodes between steps, so decode and compute add up
+    instead of overlapping.
+    """
+    if accelerator_images_per_s <= 0 or per_worker_images_per_s <= 0:
+        raise ValueError("accelerator_images_per_s and per_worker_images_per_s must be > 0")
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
+    if workers == 0:
+        compute_s, decode_s = 1 / accelerator_images_per_s, 1 / per_worker_images_per_s
+        return compute_s / (compute_s + decode_s)
+    return min(1.0, workers * per_worker_images_per_s / accelerator_images_per_s)
+
+
+def workers_needed(accelerator_images_per_s: float, per_worker_images_per_s: float,
+                   target_busy: float = 0.95) -> int:
+    """Loader workers (each on its own core) needed to keep the accelerator ``target_busy``."""
+    if not 0 < target_busy <= 1:
+        raise ValueError(f"target_busy must be in (0, 1], got {target_busy}")
+    if accelerator_images_per_s <= 0 or per_worker_images_per_s <= 0:
+        raise ValueError("accelerator_images_per_s and per_worker_images_per_s must be > 0")
+    return int(np.ceil(target_busy * accelerator_images_per_s / per_worker_images_per_s))
+
+
+def loader_explorer(per_worker_images_per_s: float):
+    """Sliders: how fast is your accelerator, how many workers? -> the busy fraction decoding allows."""
+    import ipywidgets as widgets
+
+    output = widgets.HTML()
+    accel = widgets.FloatLogSlider(value=8000, base=10, min=2, max=5.5, description="accel img/s")
+    workers = widgets.IntSlider(value=2, min=0, max=64, description="workers")
+
+    def update(_=None) -> None:
+        busy = loader_bound_busy_fraction(accel.value, per_worker_images_per_s, workers.value)
+        need = workers_needed(accel.value, per_worker_images_per_s)
+        output.value = (f"decode-bound busy fraction: <b>{busy:.2f}</b>; workers (cores) needed for 0.95: "
+                        f"<b>{need}</b> at {per_worker_images_per_s:.0f} images/s per worker")
+
+    accel.observe(update, "value")
+    workers.observe(update, "value")
+    update()
+    return widgets.VBox([accel, workers, output])

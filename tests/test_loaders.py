@@ -102,3 +102,21 @@ def test_the_ladder_measures_each_rung(small_dataset):
     assert set(run.results) == {"in RAM", "remote, no cache"}
     assert run.results["in RAM"].busy_fraction > run.results["remote, no cache"].busy_fraction
     assert [row["rung"] for row in run.table()] == ["in RAM", "remote, no cache"]
+
+
+def test_decode_bound_busy_fraction_is_supply_over_demand():
+    assert ladder.loader_bound_busy_fraction(8000, 1000, 2) == 0.25
+    assert ladder.loader_bound_busy_fraction(1000, 1000, 4) == 1.0
+    assert ladder.loader_bound_busy_fraction(1000, 1000, 0) == 0.5
+    assert ladder.workers_needed(8000, 1000, target_busy=0.95) == 8
+    with pytest.raises(ValueError, match="target_busy must be in"):
+        ladder.workers_needed(8000, 1000, target_busy=0)
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        ladder.loader_bound_busy_fraction(8000, 1000, -1)
+
+
+def test_loader_explorer_shows_the_pure_functions_answer():
+    box = ladder.loader_explorer(1000)
+    accel, workers, output = box.children
+    accel.value, workers.value = 4000, 2
+    assert "<b>0.50</b>" in output.value and "<b>4</b>" in output.value

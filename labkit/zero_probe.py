@@ -1,0 +1,501 @@
+"""Measure what real DeepSpeed ZeRO engines hold per rank, and what each stage costs in time.
+
+:mod:`labkit.zero` predicts per-rank bytes; this module checks the prediction on
+real engines running on real ranks. One launch builds an engine per
+configuration (stages 0-3, then CPU offload, then NVMe offload where the op is
+built), walks every tensor the engine and its optimizer reference, and
+sorts the storage into parameters, gradients, optimizer state and buffers
+(communication buckets, which ZeRO calls residual state and are not model
+states). Each storage is counted once, however many views point into it.
+
+Two moments are sampled per configuration: the end of the backward pass, before
+DeepSpeed's final gradient reduction (the peak of gradient memory: at stages 0-1
+every gradient is alive there) and after the optimizer step (Adam's moments
+exist only from the first step on). Each state's bytes are the larger of the two.
+
+Where a state lives: on GPU ranks a tensor's device says it. On CPU ranks the
+CPU stands in for the accelerator and both sides are the same RAM, so the probe
+reads DeepSpeed's own placement instead: states of an engine whose optimizer was
+offloaded (it then runs DeepSpeed's host-only CPU Adam) count as host-resident.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from labkit import zero
+
+ROLES = ("params", "grads", "optimizer", "buffers")
+BUCKET_ELEMS = 2**16
+_BUFFER_PATH = re.compile(r"ipg|bucket|temp_|_for_cpu_offload|_for_gpu_offload|round_robin|meta")
+_GRAD_PATH = re.compile(r"grad")
+_HOST_GRAD_PATH = re.compile(r"offload|grad_partition")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """One engine to build: a ZeRO stage and where (if anywhere) state is offloaded."""
+
+    name: str
+    stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offload_optimizer != "none" or self.offload_param != "none"
+
+
+BASE_CONFIGS = tuple(ProbeConfig(f"stage {s}", s) for s in zero.STAGES)
+CPU_OFFLOAD_CONFIGS = (
+    ProbeConfig("stage 2 + optimizer->CPU", 2, offload_optimizer="cpu"),
+    ProbeConfig("stage 3 + optimizer,params->CPU", 3, offload_optimizer="cpu", offload_param="cpu"),
+)
+NVME_CONFIG = ProbeConfig("stage 3 + optimizer,params->NVMe", 3, offload_optimizer="nvme",
+                          offload_param="nvme")
+
+
+@dataclass(frozen=True)
+class ProbeSize:
+    """A stack of ``layers`` square Linear layers: many small tensors, so ZeRO's
+    partition boundaries fall near tensor boundaries, as in a real transformer."""
+
+    layers: int
+    width: int
+    batch: int
+    steps: int
+
+    @property
+    def num_params(self) -> int:
+        return self.layers * (self.width * self.width + self.width)
+
+    @property
+    def largest_layer_params(self) -> int:
+        return self.width * self.width + self.width
+
+
+SIZES = {
+    "ci": ProbeSize(layers=24, width=192, batch=16, steps=6),
+    "gpu": ProbeSize(layers=64, width=256, batch=32, steps=6),
+    "multi-gpu": ProbeSize(layers=96, width=1024, batch=32, steps=6),
+}
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What one rank held under one configuration, and how long its steps took."""
+
+    config: ProbeConfig
+    rank: int
+    dp_degree: int
+    num_params: int
+    dtype: str
+    accelerator: dict[str, int]
+    host: dict[str, int]
+    optimizer_class: str
+    step_ms: list[float] = field(default_factory=list)
+    update_ms: list[float] = field(default_factory=list)
+    init_ms: float = 0.0
+
+    @property
+    def model_states(self) -> zero.ModelStateBytes:
+        """Accelerator plus host bytes of params, grads and optimizer (buffers excluded)."""
+        return zero.ModelStateBytes(*(self.accelerator[r] + self.host[r] for r in zero.STATE_KEYS[:3]))
+
+    @property
+    def on_accelerator(self) -> zero.ModelStateBytes:
+        return zero.ModelStateBytes(*(self.accelerator[r] for r in zero.STATE_KEYS[:3]))
+
+    @property
+    def offloaded(self) -> zero.ModelStateBytes:
+        return zero.ModelStateBytes(*(self.host[r] for r in zero.STATE_KEYS[:3]))
+
+    @property
+    def median_step_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def best_step_ms(self) -> float:
+        """The fastest step: on a shared machine the least disturbed by other work."""
+        return min(self.step_ms)
+
+
+def default_dtype() -> str:
+    """bf16 where the accelerator supports it (every CPU DeepSpeed runs on), else fp16."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "bf16" if get_accelerator().is_bf16_supported() else "fp16"
+
+
+def check_dtype_supported(dtype: str) -> None:
+    """Refuse, before any rank starts, a precision DeepSpeed would refuse inside every rank."""
+    from deepspeed.accelerator import get_accelerator
+
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
+    accelerator = get_accelerator()
+    supported = accelerator.is_bf16_supported() if dtype == "bf16" else accelerator.is_fp16_supported()
+    if not supported:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported by DeepSpeed's {accelerator.device_name()} accelerator "
+            f"(it refuses fp16 on the CPU); use dtype='bf16'"
+        )
+
+
+def deepspeed_config(config: ProbeConfig, *, dtype: str, batch: int, nvme_dir: str | None = None) -> dict:
+    """The DeepSpeed config for one probe: small buckets, nothing kept resident at stage 3."""
+    zero_cfg: dict[str, Any] = {
+        "stage": config.stage,
+        "reduce_bucket_size": BUCKET_ELEMS,
+        "allgather_bucket_size": BUCKET_ELEMS,
+        "overlap_comm": False,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": BUCKET_ELEMS,
+        "stage3_max_live_parameters": BUCKET_ELEMS,
+        "stage3_max_reuse_distance": 0,
+    }
+    for key, target in (("offload_optimizer", config.offload_optimizer),
+                        ("offload_param", config.offload_param)):
+        if target == "cpu":
+            zero_cfg[key] = {"device": "cpu", "pin_memory": True}
+        elif target == "nvme":
+            zero_cfg[key] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        dtype: {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": not config.offloaded}},
+        "zero_optimization": zero_cfg,
+        "steps_per_print": 10**9,
+    }
+
+
+def _collect(obj: Any, path: str, found: dict[int, tuple[Any, list[str]]], seen: set[int],
+             depth: int = 0) -> None:
+    """Every tensor reachable from DeepSpeed/torch.optim objects, keyed by storage."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() == 0:
+            return
+        storage = obj.untyped_storage()
+        entry = found.setdefault(storage.data_ptr(), (obj, []))
+        entry[1].append(path)
+        return
+    if depth > 8 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _collect(value, f"{path}[{key if isinstance(key, (str, int)) else type(key).__name__}]",
+                     found, seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            _collect(value, f"{path}[{index}]", found, seen, depth + 1)
+    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
+        for key, value in vars(obj).items():
+            _collect(value, f"{path}.{key}", found, seen, depth + 1)
+
+
+def _role(paths: Iterable[str], param_storages: set[int], optimizer_storages: set[int], ptr: int,
+          tensor) -> str:
+    if ptr in param_storages:
+        return "params"
+    if ptr in optimizer_storages:
+        return "optimizer"
+    if tensor.numel() <= 1:
+        return "buffers"
+    joined = " ".join(paths)
+    if "gathered" in joined:
+        return "buffers"
+    if re.search(r"fp32_partitioned_groups_flat|single_partition_of_fp32", joined) and tensor.dtype.is_floating_point:
+        return "optimizer"
+    if _BUFFER_PATH.search(joined) and not re.search(r"grad_partitions_flat|param_id_to_grad", joined):
+        return "buffers"
+    if _GRAD_PATH.search(joined):
+        return "grads"
+    return "buffers"
+
+
+def model_state_snapshot(engine) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes per role on the accelerator and on the host, by walking the engine's tensors."""
+    found: dict[int, tuple[Any, list[str]]] = {}
+    seen: set[int] = set()
+    param_storages: set[int] = set()
+    for name, param in engine.module.named_parameters():
+        partition = getattr(param, "ds_tensor", None)
+        if partition is not None and partition.numel() > 0:
+            param_storages.add(partition.untyped_storage().data_ptr())
+            _collect(partition, f"module.{name}.ds_tensor", found, seen)
+        if param.data.numel() > 0:
+            if partition is None:
+                param_storages.add(param.data.untyped_storage().data_ptr())
+            _collect(param.data, f"module.{name}.{'gathered' if partition is not None else 'data'}",
+                     found, seen)
+        if param.grad is not None:
+            _collect(param.grad, f"module.{name}.grad", found, seen)
+    basic = engine.basic_optimizer
+    optimizer_storages: set[int] = set()
+    for group in basic.param_groups:
+        for master in group["params"]:
+            if master.numel() > 0:
+                optimizer_storages.add(master.untyped_storage().data_ptr())
+                _collect(master, "optimizer.master", found, seen)
+            if master.grad is not None:
+                _collect(master.grad, "optimizer.master.grad", found, seen)
+    for state in basic.state.values():
+        for key, tensor in state.items():
+            if hasattr(tensor, "untyped_storage") and tensor.numel() > 1:
+                optimizer_storages.add(tensor.untyped_storage().data_ptr())
+                _collect(tensor, f"optimizer.state.{key}", found, seen)
+    _collect(engine.optimizer, "zero", found, seen)
+
+    wrapper = engine.optimizer
+    optimizer_on_host = bool(getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False))
+    params_on_host = bool(getattr(wrapper, "offload_param", False))
+    accelerator_type = engine.device.type if hasattr(engine.device, "type") else str(engine.device).split(":")[0]
+    accelerator = dict.fromkeys(ROLES, 0)
+    host = dict.fromkeys(ROLES, 0)
+    for ptr, (tensor, paths) in found.items():
+        role = _role(paths, param_storages, optimizer_storages, ptr, tensor)
+        nbytes = tensor.untyped_storage().nbytes()
+        if accelerator_type != "cpu":
+            on_host = tensor.device.type == "cpu"
+        else:
+            on_host = (
+                (role == "optimizer" and optimizer_on_host)
+                or (role == "params" and params_on_host)
+                or (role == "grads" and optimizer_on_host and bool(_HOST_GRAD_PATH.search(" ".join(paths))))
+            )
+        (host if on_host else accelerator)[role] += nbytes
+    return accelerator, host
+
+
+def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {key: max(a[key], b[key]) for key in a}
+
+
+def _build_model(size: ProbeSize):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(size.width, size.width) for _ in range(size.layers)])
+
+
+def _build_engine(config: ProbeConfig, size: ProbeSize, dtype: str, device: str,
+                  nvme_dir: str | None):
+    """A fresh model and engine; on CPU ranks (and for offload) Adam is DeepSpeed's CPU Adam,
+    so with and without offload every rank runs the same Adam kernel."""
+    import deepspeed
+
+    model = _build_model(size)
+    ds_config = deepspeed_config(config, dtype=dtype, batch=size.batch, nvme_dir=nvme_dir)
+    optimizer = None
+    if device == "cpu" or config.offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        ds_config.pop("optimizer")
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, adamw_mode=False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, optimizer=optimizer,
+                                      model_parameters=model.parameters())
+    return engine
+
+
+def _train_step(engine, batch) -> None:
+    loss = engine(batch).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]:
+    """Run one step, weighing the engine before the final gradient reduction and after the step."""
+    snapshots = []
+    reduce = engine.allreduce_gradients
+
+    def snapshot_then_reduce(*args, **kwargs):
+        snapshots.append(model_state_snapshot(engine))
+        return reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = snapshot_then_reduce
+    try:
+        _train_step(engine, batch)
+    finally:
+        engine.allreduce_gradients = reduce
+    snapshots.append(model_state_snapshot(engine))
+    accelerator, host = snapshots[0]
+    for acc, hst in snapshots[1:]:
+        accelerator, host = _elementwise_max(accelerator, acc), _elementwise_max(host, hst)
+    return accelerator, host
+
+
+def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir: str | None = None
+               ) -> list[RankMeasurement]:
+    """Rank function: build every config's engine, weigh it, then time their steps in turn.
+
+    DeepSpeed allows several engines in one process after one ``init_distributed``;
+    each engine gets a fresh model, so no ZeRO-3 hooks carry over. Steps are timed
+    round-robin (one step of each engine, then again), so a burst of load from
+    elsewhere on the machine slows every configuration alike instead of one.
+    """
+    import deepspeed
+    import torch
+
+    from labkit.devices import Stopwatch
+    from labkit.launcher import rank_info
+
+    info = rank_info()
+    deepspeed.init_distributed(dist_backend=info.backend)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    engines, batches, weighed, init_ms = [], [], [], []
+    for config in configs:
+        with Stopwatch("cpu") as init:
+            engine = _build_engine(config, size, dtype, info.device, nvme_dir)
+        generator = torch.Generator().manual_seed(info.rank)
+        batch = torch.randn(size.batch, size.width, generator=generator).to(engine.device, torch_dtype)
+        weighed.append(_first_step_snapshot(engine, batch))
+        engines.append(engine)
+        batches.append(batch)
+        init_ms.append(init.ms)
+    step_ms = [[] for _ in configs]
+    update_ms = [[] for _ in configs]
+    for _ in range(size.steps):
+        for i, (engine, batch) in enumerate(zip(engines, batches)):
+            with Stopwatch(engine.device) as whole:
+                loss = engine(batch).float().pow(2).mean()
+                engine.backward(loss)
+                with Stopwatch(engine.device) as update:
+                    engine.step()
+            step_ms[i].append(whole.ms)
+            update_ms[i].append(update.ms)
+    results = []
+    for i, (config, engine) in enumerate(zip(configs, engines)):
+        accelerator, host = weighed[i]
+        results.append(RankMeasurement(
+            config=config, rank=info.rank, dp_degree=info.world_size,
+            num_params=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                           for p in engine.module.parameters()),
+            dtype=dtype, accelerator=accelerator, host=host,
+            optimizer_class=type(engine.basic_optimizer).__name__, step_ms=step_ms[i],
+            update_ms=update_ms[i], init_ms=init_ms[i],
+        ))
+    for engine in engines:
+        engine.destroy()
+    return results
+
+
+def nvme_available(profile_name: str | None = None) -> tuple[bool, str]:
+    """Whether NVMe offload runs here, and if not, why (the reason the notebook prints).
+
+    It needs DeepSpeed's async_io op: Debian's libaio-dev plus a 4-8 minute gcc
+    build. The CI profile's time budget cannot absorb that build, so there it runs
+    only if the op was built beforehand; the GPU profiles build it when asked.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    from labkit import dsops, profile
+
+    builder = get_accelerator().create_op_builder(dsops.ASYNC_IO_OP)
+    if builder is None:
+        return False, "NVMe offload skipped: this accelerator has no DeepSpeed async_io op"
+    if dsops.op_is_built(dsops.ASYNC_IO_OP):
+        return True, "async_io op is built"
+    if (profile_name or profile().name) == "ci":
+        return False, ("NVMe offload skipped in the ci profile: DeepSpeed's async_io op is not built, and "
+                       "it needs libaio-dev plus a 4-8 min build that does not fit the budget (run "
+                       "`python -m labkit.dsops AsyncIOBuilder` once to enable it)")
+    if not builder.is_compatible(verbose=False):
+        return False, ("NVMe offload skipped: DeepSpeed's async_io op cannot be built here "
+                       "(install libaio-dev, then run `python -m labkit.dsops AsyncIOBuilder`)")
+    return True, "async_io op will be built (once per environment, 4-8 min)"
+
+
+def measure(
+    configs: Iterable[ProbeConfig] | None = None,
+    *,
+    size: ProbeSize | None = None,
+    dtype: str | None = None,
+    ranks: int | None = None,
+    timeout_s: float = 600.0,
+) -> list[RankMeasurement]:
+    """Run every config on real ranks in ONE launch; measurements of every rank, config-major.
+
+    Defaults come from the active profile. Bad input is refused here, before any
+    rank starts; the DeepSpeed ops are built (once per environment) in this process.
+    """
+    from labkit import dsops, profile
+    from labkit.launcher import launch
+
+    prof = profile()
+    configs = list(configs if configs is not None else BASE_CONFIGS + CPU_OFFLOAD_CONFIGS)
+    size = size or prof.pick(SIZES)
+    dtype = dtype or default_dtype()
+    ranks = prof.ranks if ranks is None else ranks
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if not configs:
+        raise ValueError("configs must name at least one ProbeConfig")
+    for config in configs:
+        zero.offload_placement(size.num_params, config.stage, ranks,
+                               optimizer_target=config.offload_optimizer,
+                               param_target=config.offload_param)
+    for name, value in (("layers", size.layers), ("width", size.width), ("batch", size.batch),
+                        ("steps", size.steps)):
+        if value < 1:
+            raise ValueError(f"size.{name} must be >= 1, got {value}")
+    check_dtype_supported(dtype)
+    ops = [dsops.COMM_OP]
+    if any(c.offloaded for c in configs):
+        ops.append(dsops.CPU_ADAM_OP)
+    nvme_dir = None
+    if any("nvme" in (c.offload_optimizer, c.offload_param) for c in configs):
+        available, reason = nvme_available(prof.name)
+        if not available:
+            raise ValueError(f"NVMe offload requested but unavailable: {reason}")
+        ops.append(dsops.ASYNC_IO_OP)
+        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=os.environ.get("LABKIT_NVME_DIR"))
+    dsops.ensure_built(tuple(ops))
+    try:
+        per_rank = launch(probe_rank, ranks, backend=prof.backend, timeout_s=timeout_s,
+                          configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)
+    finally:
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    return [rank_results[i] for i in range(len(configs)) for rank_results in per_rank]
+
+
+def predicted(measurement: RankMeasurement) -> zero.ModelStateBytes:
+    """labkit.zero's per-rank prediction for the configuration a measurement ran."""
+    return zero.model_state_bytes(measurement.num_params, measurement.config.stage,
+                                  measurement.dp_degree)
+
+
+def relative_error(measured: zero.ModelStateBytes, model: zero.ModelStateBytes) -> float:
+    """|measured - model| / model over total model-state bytes."""
+    return abs(measured.total - model.total) / model.total
+
+
+def deepspeed_estimates(num_params: int, largest_layer_params: int, dp_degree: int) -> dict[str, int]:
+    """DeepSpeed's own per-GPU estimates (bytes, no offload), for stages 2 and 3.
+
+    They count 18 bytes per partitioned parameter (16-bit plus 32-bit gradients,
+    fp32 master, two moments): stage 2 is 2 + 18/N where the paper has 2 + 14/N,
+    stage 3 is 18/N where the paper has 16/N, plus 4 bytes per parameter of the
+    largest layer for its gathered working copy.
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _, zero2 = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=False)
+    _, zero2_offload = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=True)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(
+        num_params, largest_layer_params, dp_degree, 1, cpu_offload=False, cpu_offload_params=False)
+    _, zero3_offload, _ = estimate_zero3_model_states_mem_needs(
+        num_params, largest_layer_params, dp_degree, 1, cpu_offload=True, cpu_offload_params=True)
+    return {"stage 2": zero2, "stage 2 + optimizer->CPU": zero2_offload,
+            "stage 3": zero3, "stage 3 + optimizer,params->CPU": zero3_offload}

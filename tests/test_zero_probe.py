@@ -1,0 +1,85 @@
+"""labkit.zero_probe: real DeepSpeed engines hold what labkit.zero predicts."""
+
+import pytest
+
+from labkit import launcher, zero
+from labkit import zero_probe as zp
+
+TINY = zp.ProbeSize(layers=8, width=32, batch=4, steps=1)
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test if anything tries to start a rank: bad input must be refused first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was launched for input that should have been refused")
+
+    monkeypatch.setattr(launcher, "launch", refuse)
+
+
+def test_fp16_is_refused_on_the_cpu_before_any_rank_starts(no_ranks):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator supports fp16; the refusal is for the CPU")
+    with pytest.raises(ValueError, match="use dtype='bf16'"):
+        zp.measure(zp.BASE_CONFIGS[:1], size=TINY, dtype="fp16")
+
+
+def test_bad_stage_and_ranks_are_refused_before_any_rank_starts(no_ranks):
+    with pytest.raises(ValueError, match="stage must be one of 0, 1, 2, 3"):
+        zp.measure([zp.ProbeConfig("stage 4", 4)], size=TINY)
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        zp.measure(size=TINY, ranks=0)
+    with pytest.raises(ValueError, match="needs stage 3"):
+        zp.measure([zp.ProbeConfig("bad", 2, offload_param="cpu")], size=TINY)
+    with pytest.raises(ValueError, match="size.layers must be >= 1, got 0"):
+        zp.measure(size=zp.ProbeSize(0, 32, 4, 1))
+    with pytest.raises(ValueError, match="dtype must be 'bf16' or 'fp16'"):
+        zp.measure(size=TINY, dtype="int8")
+
+
+def test_nvme_offload_without_its_op_is_refused_with_the_reason(no_ranks):
+    available, reason = zp.nvme_available()
+    if available:
+        pytest.skip("async_io is available here, so NVMe offload is allowed")
+    assert "async_io" in reason
+    with pytest.raises(ValueError, match="NVMe offload requested but unavailable"):
+        zp.measure([zp.NVME_CONFIG], size=TINY)
+
+
+def test_config_shrinks_zero3_buckets_and_names_the_offload_device():
+    cfg = zp.deepspeed_config(zp.CPU_OFFLOAD_CONFIGS[1], dtype="bf16", batch=4)
+    zero_cfg = cfg["zero_optimization"]
+    assert zero_cfg["reduce_bucket_size"] <= 2**20 and zero_cfg["stage3_param_persistence_threshold"] == 0
+    assert zero_cfg["offload_optimizer"]["device"] == "cpu" == zero_cfg["offload_param"]["device"]
+    assert cfg["bf16"]["enabled"] and "fp16" not in cfg
+    plain = zp.deepspeed_config(zp.BASE_CONFIGS[2], dtype="bf16", batch=4)
+    assert "offload_optimizer" not in plain["zero_optimization"]
+    assert plain["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_deepspeed_estimator_counts_18_bytes_where_the_paper_counts_14_or_16():
+    psi, n, largest_layer = 1_000_000, 4, 1000
+    estimates = zp.deepspeed_estimates(psi, largest_layer, n)
+    assert estimates["stage 2"] - zero.model_state_bytes(psi, 2, n).total == (18 - 14) * psi // n
+    assert estimates["stage 3"] - zero.model_state_bytes(psi, 3, n).total == (
+        (18 - 16) * psi // n + 4 * largest_layer
+    )
+
+
+@pytest.mark.slow
+def test_real_engines_partition_optimizer_state_and_offload_it():
+    stage1, offloaded = zp.BASE_CONFIGS[1], zp.CPU_OFFLOAD_CONFIGS[1]
+    results = zp.measure([stage1, offloaded], size=TINY, ranks=2, timeout_s=300)
+    assert [m.config for m in results] == [stage1, stage1, offloaded, offloaded]
+    for m in results:
+        model = zp.predicted(m)
+        assert zp.relative_error(m.model_states, model) < 0.05
+        assert m.model_states.optimizer == model.optimizer == 12 * TINY.num_params // 2
+    s1, off = results[0], results[2]
+    assert s1.on_accelerator.params == 2 * TINY.num_params
+    assert off.on_accelerator.optimizer == 0 and off.offloaded.optimizer == s1.model_states.optimizer
+    assert off.on_accelerator.params == 0 and off.offloaded.params == TINY.num_params
+    assert off.optimizer_class == "DeepSpeedCPUAdam"
