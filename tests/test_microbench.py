@@ -1,0 +1,73 @@
+"""Microbenchmarks: small sizes, checked for physics rather than speed."""
+
+import pytest
+import torch
+
+from labkit import microbench, roofline
+
+TINY = microbench.MicrobenchSizes(
+    bandwidth_numel=2**20,
+    matmul_n={"float32": 128, "float64": 64},
+    op_numel_rows=256,
+    op_numel_cols=256,
+    matmul_sweep=(8, 64),
+    op_dtype="float32",
+    repeats=2,
+)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    return microbench.measure_peaks("cpu", TINY)
+
+
+def test_peak_bandwidth_is_the_best_stream_kernel(peaks):
+    kernels = peaks.bandwidth.by_kernel_bytes_per_s
+    assert set(kernels) == {"copy", "scale", "add", "triad"}
+    assert peaks.bandwidth_bytes_per_s == max(kernels.values()) > 0
+
+
+def test_measured_matmul_peaks_are_per_dtype_and_give_a_ridge(peaks):
+    assert set(peaks.matmul_flops_per_s) == {"float32", "float64"}
+    assert peaks.ridge("float32") == pytest.approx(peaks.matmul_flops_per_s["float32"] / peaks.bandwidth_bytes_per_s)
+    spec = peaks.as_spec()
+    assert spec.source.startswith("measured")
+
+
+def test_every_op_carries_the_model_cost_and_a_positive_time():
+    measured = microbench.measure_ops("cpu", TINY)
+    names = [m.cost.name for m in measured]
+    assert names[:4] == ["residual add", "relu", "softmax", "layer_norm"]
+    assert all(m.ms > 0 for m in measured)
+    add = measured[0]
+    assert add.bytes_per_s == pytest.approx(add.cost.bytes_moved / (add.ms / 1e3))
+    assert add.as_row()["FLOP/byte"] == pytest.approx(1 / 12, abs=0.01)
+
+
+def test_memory_bound_ops_are_those_below_the_ridge():
+    measured = microbench.measure_ops("cpu", TINY)
+    memory_bound = microbench.memory_bound_ops(measured, ridge=5.0)
+    assert {m.cost.name for m in memory_bound} >= {"residual add", "relu", "softmax", "layer_norm"}
+    assert all(m.cost.intensity < 5.0 for m in memory_bound)
+
+
+def test_tf32_switch_is_restored_after_measuring():
+    before = torch.backends.cuda.matmul.allow_tf32
+    with microbench.matmul_precision("tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def test_plain_references_measure_positive_rates():
+    assert microbench.plain_matmul_flops("cpu", 64, iterations=2) > 0
+    assert microbench.plain_copy_bytes_per_s("cpu", 2**16, iterations=2) > 0
+
+
+def test_unsupported_dtype_and_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        microbench.measure_matmul_flops("cpu", 8, "float8")
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        microbench.measure_bandwidth("cpu", 0)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        microbench.measure_matmul_flops("cpu", 0)
+    assert roofline.dtype_name(torch.float16) == "float16"
