@@ -1,0 +1,492 @@
+"""Combining parallelism: a tensor-parallel layer on real ranks, and a planner.
+
+Data parallelism copies the model and all-reduces gradients once per optimizer
+step; its traffic grows with the model, not with the batch. Tensor parallelism
+(Megatron-LM, arXiv 1909.08053) splits each layer's matrices across ranks and
+all-reduces *activations* inside every layer, forward and backward: heavy, so it
+stays on the fast links inside a node. Pipeline parallelism cuts the model into
+stages that pass activations point to point: little traffic, but idle "bubbles".
+ZeRO partitions the model states of data parallelism. Rajbhandari's account
+(REFERENCES.md, Lab 5) combines them ("3D"): TP inside the node, PP and ZeRO-DP
+across nodes, each form used where its communication is cheapest.
+
+The tensor-parallel MLP below runs on real ranks and its collectives are counted
+with :class:`labkit.collectives.CommCounter`. The planner is pure functions: for
+a model, a cluster shape and link speeds it gives each layout's per-step traffic
+per device, the emulated time of that traffic, and model-state memory per device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.collectives import LINKS, CommCounter, Link, collective_time_s, ring_bytes_per_rank
+
+try:
+    from labkit.zero import model_state_bytes as _zero_model_state_bytes
+except ImportError:  # pragma: no cover - labkit.zero is Lab 4's module
+    _zero_model_state_bytes = None
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity (every rank already holds the input). Backward: all-reduce the input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce the partial sums of the row-split matmul. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TensorParallelMLP(nn.Module):
+    """Megatron's MLP split over the ranks of ``group``: one all-reduce forward, one backward.
+
+    The first matrix is split by output columns (each rank computes a slice of the
+    hidden activations, no communication), the second by input rows (each rank
+    produces a partial sum of the output, all-reduced). Built from a full
+    ``nn.Sequential(Linear, GELU, Linear)`` so results can be checked against it.
+    """
+
+    def __init__(self, full: nn.Sequential, group: Any = None):
+        super().__init__()
+        self.group = group
+        tp = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        first, second = full[0], full[2]
+        if first.out_features % tp:
+            raise ValueError(f"ffn width {first.out_features} must be divisible by the tensor-parallel degree {tp}")
+        width = first.out_features // tp
+        cols = slice(rank * width, (rank + 1) * width)
+        self.w1 = nn.Parameter(first.weight.detach()[cols].clone())
+        self.b1 = nn.Parameter(first.bias.detach()[cols].clone())
+        self.w2 = nn.Parameter(second.weight.detach()[:, cols].clone())
+        self.b2 = nn.Parameter(second.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTensorParallel.apply(x, self.group)
+        hidden = nn.functional.gelu(nn.functional.linear(x, self.w1, self.b1))
+        partial = nn.functional.linear(hidden, self.w2)
+        return _ReduceFromTensorParallel.apply(partial, self.group) + self.b2
+
+
+def full_mlp(hidden: int, ffn: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+
+TP_SIZES = {
+    "ci": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
+    "gpu": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
+    "multi-gpu": {"hidden": 2048, "ffn": 8192, "tokens": 1024, "layers": 4},
+}
+
+
+def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> dict[str, Any]:
+    """Rank function: forward+backward through ``layers`` TP MLPs, counted, checked against the full model.
+
+    Every rank builds the same full layers (same seeds), keeps its shard, and
+    compares output and input gradient with the unsplit computation.
+    """
+    from labkit.launcher import rank_info
+
+    device = torch.device(rank_info().device)
+    fulls = [full_mlp(hidden, ffn, seed=layer).to(device) for layer in range(layers)]
+    shards = [TensorParallelMLP(full).to(device) for full in fulls]
+    torch.manual_seed(1234)
+    x = torch.randn(tokens, hidden, device=device)
+
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = x_ref
+    for full in fulls:
+        y_ref = y_ref + full(y_ref)
+    y_ref.square().mean().backward()
+
+    x_tp = x.clone().requires_grad_(True)
+    with CommCounter() as counter:
+        y_tp = x_tp
+        for shard in shards:
+            y_tp = y_tp + shard(y_tp)
+        forward_calls = counter.counts["all_reduce"].calls
+        y_tp.square().mean().backward()
+    return {
+        **counter.as_dict(),
+        "forward_all_reduce_calls": forward_calls,
+        "max_output_error": (y_tp - y_ref).abs().max().item(),
+        "max_input_grad_error": (x_tp.grad - x_ref.grad).abs().max().item(),
+        "activation_bytes": tokens * hidden * x.element_size(),
+        "layers": layers,
+        "world_size": dist.get_world_size(),
+        "shard_params": sum(p.numel() for p in shards[0].parameters()),
+        "full_params": sum(p.numel() for p in fulls[0].parameters()),
+    }
+
+
+def run_tensor_parallel(world_size: int = 2, sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """Launch :func:`tensor_parallel_rank` on real ranks; returns rank 0's result."""
+    from labkit.launcher import launch
+    from labkit.profiles import profile
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    chosen = dict(sizes or profile().pick(TP_SIZES))
+    if chosen["ffn"] % world_size:
+        raise ValueError(f"ffn ({chosen['ffn']}) must be divisible by world_size ({world_size})")
+    return launch(tensor_parallel_rank, world_size, backend=profile().backend, **chosen)[0]
+
+
+def tp_all_reduces_per_layer(transformer: bool = True) -> int:
+    """Activation all-reduces per layer per micro-batch, forward plus backward.
+
+    A Megatron transformer layer has two TP blocks (attention and MLP), each one
+    all-reduce forward and one backward: 4. The bare MLP above has one block: 2.
+    """
+    return 4 if transformer else 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs about the model: sizes and one micro-batch's activation shape."""
+
+    num_params: int
+    layers: int
+    hidden: int
+    seq_len: int = 2048
+    micro_batch: int = 1
+    bytes_per_value: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "layers", "hidden", "seq_len", "micro_batch", "bytes_per_value"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """One micro-batch's activations at a layer boundary (what TP all-reduces and PP sends)."""
+        return self.micro_batch * self.seq_len * self.hidden * self.bytes_per_value
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    intra_node: Link = LINKS["NVLink-class"]
+    inter_node: Link = LINKS["100 Gbps"]
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of each form; ranks are numbered TP-innermost, then DP, then PP (Megatron's order)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    accumulation: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"DP{self.dp}" + (f"+ZeRO{self.zero_stage}" if self.zero_stage else "")]
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
+        return " x ".join(parts)
+
+
+def check_layout(layout: Layout, cluster: Cluster, model: ModelShape) -> None:
+    """Raise ``ValueError`` naming the fix when ``layout`` cannot tile ``cluster`` or split ``model``."""
+    for name in ("dp", "tp", "pp", "accumulation"):
+        if getattr(layout, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(layout, name)}")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {layout.zero_stage}")
+    used = layout.dp * layout.tp * layout.pp
+    if used != cluster.devices:
+        raise ValueError(
+            f"dp x tp x pp must equal the cluster's {cluster.devices} devices "
+            f"({cluster.nodes} nodes x {cluster.gpus_per_node}), got {layout.dp} x {layout.tp} x {layout.pp} = {used}"
+        )
+    if cluster.gpus_per_node % layout.tp:
+        raise ValueError(
+            f"tp must divide gpus_per_node={cluster.gpus_per_node} (tensor parallelism stays inside a node), got {layout.tp}"
+        )
+    if model.layers % layout.pp:
+        raise ValueError(f"pp must divide the model's {model.layers} layers, got {layout.pp}")
+
+
+def group_crosses_nodes(stride: int, size: int, gpus_per_node: int, devices: int) -> bool:
+    """Whether any group of ``size`` ranks spaced ``stride`` apart spans more than one node."""
+    block = stride * size
+    for base in range(0, devices, block):
+        for offset in range(stride):
+            first, last = base + offset, base + offset + stride * (size - 1)
+            if first // gpus_per_node != last // gpus_per_node:
+                return True
+    return False
+
+
+def _state_bytes_fallback(num_params: int, stage: int, dp_degree: int) -> int:
+    part = -(-num_params // dp_degree)
+    return 2 * (part if stage >= 3 else num_params) + 2 * (part if stage >= 2 else num_params) + 12 * (
+        part if stage >= 1 else num_params
+    )
+
+
+def model_state_bytes_per_device(num_params: int, stage: int, dp_degree: int) -> int:
+    """Mixed-precision Adam's 16 bytes/param, partitioned by ZeRO (labkit.zero when present)."""
+    if _zero_model_state_bytes is not None:
+        return _zero_model_state_bytes(num_params, stage, dp_degree).total
+    return _state_bytes_fallback(num_params, stage, dp_degree)
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory_bytes_per_device: int
+    comm_bytes_per_device: dict[str, int] = field(default_factory=dict)
+    comm_s: dict[str, float] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+    bubble_fraction: float = 0.0
+    compute_s: float = 0.0
+    samples_per_step: int = 0
+
+    @property
+    def step_s(self) -> float:
+        """Compute stretched by the pipeline bubble, plus communication (no overlap: a pessimistic bound)."""
+        return self.compute_s / (1 - self.bubble_fraction) + self.total_comm_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_s if self.step_s > 0 else float("inf")
+
+    @property
+    def total_comm_bytes(self) -> int:
+        return sum(self.comm_bytes_per_device.values())
+
+    @property
+    def total_comm_s(self) -> float:
+        return sum(self.comm_s.values())
+
+
+def plan(model: ModelShape, cluster: Cluster, layout: Layout, device_tflops: float = 100.0) -> Plan:
+    """Per-device traffic and model-state memory of one optimizer step under ``layout``.
+
+    Counted per device (ring bytes each rank sends), per optimizer step of
+    ``accumulation`` micro-batches, with delayed gradient sync. ZeRO-1 sends what
+    DP sends (reduce-scatter + all-gather = all-reduce); stage 2 reduce-scatters
+    every micro-step and stage 3 also all-gathers parameters forward and backward
+    every micro-step, as DeepSpeed does (PLATFORM-NOTES). Time is the alpha-beta
+    model on the link each group crosses, without overlap; activations are not in
+    the memory figure. Compute is 6 FLOPs per parameter per token at
+    ``device_tflops`` sustained, split over the TP x PP devices of one replica.
+    """
+    if device_tflops <= 0:
+        raise ValueError(f"device_tflops must be > 0, got {device_tflops}")
+    check_layout(layout, cluster, model)
+    dp, tp, pp, acc = layout.dp, layout.tp, layout.pp, layout.accumulation
+    shard_params = -(-model.num_params // (tp * pp))
+    grad_bytes = shard_params * model.bytes_per_value
+    gpn = cluster.gpus_per_node
+    link_of = {
+        "tp": cluster.inter_node if tp > gpn else cluster.intra_node,
+        "dp": cluster.inter_node if group_crosses_nodes(tp, dp, gpn, cluster.devices) else cluster.intra_node,
+        "pp": cluster.inter_node if group_crosses_nodes(tp * dp, pp, gpn, cluster.devices) else cluster.intra_node,
+    }
+    volume: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+
+    def add(kind: str, op: str, message_bytes: int, world: int, times: int) -> None:
+        volume[kind] = volume.get(kind, 0) + times * ring_bytes_per_rank(op, message_bytes, world)
+        seconds[kind] = seconds.get(kind, 0.0) + times * collective_time_s(op, message_bytes, world, link_of[kind])
+
+    if dp > 1:
+        stage = layout.zero_stage
+        if stage == 0:
+            add("dp", "all_reduce", grad_bytes, dp, 1)
+        elif stage == 1:
+            add("dp", "reduce_scatter", grad_bytes, dp, 1)
+            add("dp", "all_gather", grad_bytes, dp, 1)
+        elif stage == 2:
+            add("dp", "reduce_scatter", grad_bytes, dp, acc)
+            add("dp", "all_gather", grad_bytes, dp, 1)
+        else:
+            add("dp", "reduce_scatter", grad_bytes, dp, acc)
+            add("dp", "all_gather", grad_bytes, dp, 2 * acc)
+    if tp > 1:
+        per_layer = tp_all_reduces_per_layer(transformer=True)
+        add("tp", "all_reduce", model.activation_bytes, tp, acc * per_layer * (model.layers // pp))
+    if pp > 1:
+        sends = 2 * acc
+        volume["pp"] = sends * model.activation_bytes
+        link = link_of["pp"]
+        seconds["pp"] = sends * (link.latency_us * 1e-6 + model.activation_bytes / link.bytes_per_s)
+    return Plan(
+        layout=layout,
+        memory_bytes_per_device=model_state_bytes_per_device(shard_params, layout.zero_stage, dp),
+        comm_bytes_per_device=volume,
+        comm_s=seconds,
+        links={kind: link_of[kind].name for kind in volume},
+        bubble_fraction=(pp - 1) / (acc + pp - 1),
+        compute_s=6 * model.num_params * acc * model.micro_batch * model.seq_len / (tp * pp * device_tflops * 1e12),
+        samples_per_step=dp * acc * model.micro_batch,
+    )
+
+
+def candidate_layouts(
+    cluster: Cluster, model: ModelShape, zero_stages: Sequence[int] = (0, 1, 3), accumulation: int = 1
+) -> list[Layout]:
+    """Every layout that tiles the cluster: tp dividing the node, pp dividing the layers."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+    layouts = []
+    n = cluster.devices
+    for tp, pp in itertools.product(range(1, cluster.gpus_per_node + 1), range(1, n + 1)):
+        if cluster.gpus_per_node % tp or model.layers % pp or n % (tp * pp):
+            continue
+        dp = n // (tp * pp)
+        stages = zero_stages if dp > 1 else (0,)
+        layouts += [Layout(dp, tp, pp, stage, accumulation) for stage in stages]
+    return layouts
+
+
+def fits(plan_: Plan, device_memory_bytes: int) -> bool:
+    return plan_.memory_bytes_per_device <= device_memory_bytes
+
+
+def plan_rows(
+    num_params: int,
+    nodes: int,
+    gpus_per_node: int,
+    inter_node: str = "100 Gbps",
+    intra_node: str = "NVLink-class",
+    layers: int = 48,
+    hidden: int = 4096,
+    accumulation: int = 8,
+    device_memory_gib: float = 80.0,
+    zero_stages: Sequence[int] = (0, 1, 3),
+    device_tflops: float = 100.0,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+) -> list[dict[str, Any]]:
+    """The widget's logic: every candidate layout as a row, fitting ones first, highest samples/s first."""
+    for name, value in (("inter_node", inter_node), ("intra_node", intra_node)):
+        if value not in LINKS:
+            raise ValueError(f"{name} must be one of {sorted(LINKS)}, got {value!r}")
+    if device_memory_gib <= 0:
+        raise ValueError(f"device_memory_gib must be > 0, got {device_memory_gib}")
+    model = ModelShape(num_params=num_params, layers=layers, hidden=hidden, seq_len=seq_len, micro_batch=micro_batch)
+    cluster = Cluster(nodes, gpus_per_node, intra_node=LINKS[intra_node], inter_node=LINKS[inter_node])
+    rows = []
+    for layout in candidate_layouts(cluster, model, zero_stages, accumulation):
+        p = plan(model, cluster, layout, device_tflops)
+        rows.append({
+            "layout": layout.name,
+            "memory_gib": p.memory_bytes_per_device / 2**30,
+            "fits": fits(p, int(device_memory_gib * 2**30)),
+            "comm_gib_per_step": p.total_comm_bytes / 2**30,
+            "comm_s_per_step": p.total_comm_s,
+            "bubble_fraction": p.bubble_fraction,
+            "compute_s_per_step": p.compute_s,
+            "step_s": p.step_s,
+            "samples_per_s": p.samples_per_s,
+            "samples_per_step": p.samples_per_step,
+            "links": ", ".join(f"{k}: {v}" for k, v in p.links.items()),
+        })
+    rows.sort(key=lambda r: (not r["fits"], -r["samples_per_s"]))
+    return rows
+
+
+def plot_plans(rows: Sequence[dict[str, Any]], top: int = 10, device_memory_gib: float | None = None):
+    """Two panels: model-state memory per device; time per sample split into compute, bubble and communication."""
+    from labkit.plots import BASELINE, FIX, WARN, figure
+
+    rows = list(rows)[:top]
+    fig, (mem_ax, time_ax) = figure(2, width=11, height=4.2)
+    labels = [r["layout"] for r in rows]
+    mem_ax.barh(labels, [r["memory_gib"] for r in rows], color=[FIX if r["fits"] else BASELINE for r in rows])
+    if device_memory_gib:
+        mem_ax.axvline(device_memory_gib, color=WARN, linestyle="--", label="device memory")
+        mem_ax.legend()
+    mem_ax.set_xlabel("model states per device (GiB)")
+    mem_ax.invert_yaxis()
+    per_sample_ms = [1e3 / r["samples_per_step"] for r in rows]
+    compute = [r["compute_s_per_step"] * k for r, k in zip(rows, per_sample_ms)]
+    bubble = [(r["step_s"] - r["compute_s_per_step"] - r["comm_s_per_step"]) * k for r, k in zip(rows, per_sample_ms)]
+    comm = [r["comm_s_per_step"] * k for r, k in zip(rows, per_sample_ms)]
+    time_ax.barh(labels, compute, color=FIX, label="compute")
+    time_ax.barh(labels, bubble, left=compute, color=BASELINE, label="pipeline bubble")
+    time_ax.barh(labels, comm, left=[c + b for c, b in zip(compute, bubble)], color=WARN, label="communication")
+    time_ax.set_xlabel("cluster ms per sample (model; lower is better)")
+    time_ax.invert_yaxis()
+    time_ax.set_yticklabels([])
+    time_ax.legend(fontsize=8)
+    fig.suptitle("Planner (a model, not a measurement): fitting layouts in blue, best samples/s first")
+    fig.tight_layout()
+    return fig
+
+
+def planner_widget():
+    """Sliders for model size, cluster shape and inter-node link; redraws from :func:`plan_rows`."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    controls = {
+        "params_billion": widgets.FloatLogSlider(value=7, base=10, min=-1, max=3, description="params (B)"),
+        "nodes": widgets.IntSlider(value=4, min=1, max=64, description="nodes"),
+        "gpus_per_node": widgets.Dropdown(options=[1, 2, 4, 8], value=8, description="GPUs/node"),
+        "inter_node": widgets.Dropdown(options=list(LINKS), value="100 Gbps", description="inter-node"),
+        "accumulation": widgets.IntSlider(value=8, min=1, max=64, description="accumulation"),
+    }
+    out = widgets.Output()
+
+    def redraw(*_: Any) -> None:
+        values = {k: c.value for k, c in controls.items()}
+        with out:
+            out.clear_output(wait=True)
+            rows = plan_rows(
+                int(values["params_billion"] * 1e9), values["nodes"], values["gpus_per_node"],
+                inter_node=values["inter_node"], accumulation=values["accumulation"],
+            )
+            plot_plans(rows, device_memory_gib=80.0)
+            plt.show()
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    display(widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:]), out]))
