@@ -1,0 +1,85 @@
+"""Lab 2 targets: the Daft decode pipeline against Lab 1's PIL DataLoader, and the tensor cache.
+
+Targets (issue 3), on the same images and the same cores:
+  * Daft native decode+resize pipeline >= 1.3x the PIL DataLoader;
+  * tensor-cache Parquet (written by Daft) >= 3x the PIL DataLoader.
+
+Each loader is drained end to end (start-up included) over every image; the best of
+``--repeats`` passes counts. Use >= 10k images: below that, start-up dominates.
+
+    python benchmarks/lab02_data_engine.py [--images 10000] [--image-px 32] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
+
+import daft  # noqa: E402
+
+from labkit import catalog, dataengine, dataset, loaders  # noqa: E402
+from labkit.devices import describe_machine, load_average  # noqa: E402
+from labkit.paths import data_dir  # noqa: E402
+
+TARGETS = {"daft pipeline": 1.3, "tensor cache": 3.0}
+
+
+def best_images_per_s(make_batches, repeats: int) -> float:
+    best = 0.0
+    for _ in range(repeats):
+        images, seconds = dataengine.drain(make_batches())
+        best = max(best, images / seconds)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=dataengine.BENCHMARK_IMAGES)
+    parser.add_argument("--image-px", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    if args.images < 10_000:
+        print(f"note: {args.images} images; the targets assume >= 10,000 (start-up dominates below)")
+    daft.set_runner_native(num_threads=args.cores)
+    print(describe_machine())
+
+    ds = dataset.generate(args.images)
+    frame = catalog.read_catalog(ds)
+    job = frame.select("path", "label").to_pydict()
+    workdir = data_dir() / "lab02" / ds.name
+    cache = dataengine.write_tensor_cache(frame, workdir / f"tensors_{args.image_px}px.parquet", args.image_px)
+    packed = dataengine.write_packed(frame, workdir / "packed.parquet")
+    print(f"{ds.num_images} images; tensor cache written in {cache.write_s:.1f} s "
+          f"({cache.disk_bytes / 1e6:.1f} MB), packed in {packed.write_s:.1f} s ({packed.disk_bytes / 1e6:.1f} MB)")
+
+    loaders_under_test = {
+        "PIL DataLoader": lambda: loaders.file_loader(
+            job["path"], job["label"], batch_size=args.batch_size, image_px=args.image_px,
+            num_workers=args.cores, augment=False),
+        "daft pipeline": lambda: dataengine.file_batches(frame, args.image_px, args.batch_size),
+        "daft packed": lambda: dataengine.packed_batches(packed.path, args.image_px, args.batch_size),
+        "tensor cache": lambda: dataengine.cache_batches(cache.path, args.batch_size),
+    }
+    rates = {}
+    for name, make in loaders_under_test.items():
+        rates[name] = best_images_per_s(make, args.repeats)
+        print(f"{name:15s} {rates[name]:9.0f} images/s   (load average {load_average():.1f})")
+
+    baseline = rates["PIL DataLoader"]
+    missed = []
+    for name, target in TARGETS.items():
+        ratio = rates[name] / baseline
+        verdict = "met" if ratio >= target else "MISSED"
+        print(f"{name:15s} {ratio:5.2f}x the PIL DataLoader (target >= {target}x): {verdict}")
+        if ratio < target:
+            missed.append(name)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

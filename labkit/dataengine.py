@@ -1,0 +1,590 @@
+"""The data engine: one Daft pipeline from a catalog selection to a training batch.
+
+Lab 1 found that the accelerator waits on the input path. This module moves the
+diagnosis upstream, to how the dataset is *represented*:
+
+* **files** -- the catalog's paths; every image is one object to fetch, then decoded
+  and resized at every step (decode-per-step);
+* **packed** -- the JPEG bytes inside a Parquet file, grouped in row groups: the same
+  bytes, but one request fetches a whole row group, so remote storage pays its
+  per-object latency N / rows-per-group times instead of N;
+* **tensor cache** -- decoded, resized uint8 tensors in Parquet, written by the engine:
+  Lab 1's transformed cache, paid for once instead of every epoch.
+
+Daft does the I/O, decoding and resizing in native threads; torch only sees uint8
+batches. Daft has no per-sample random augmentation, so :func:`augment_batch` does it
+on the whole batch in torch, on the accelerator where there is one.
+
+The runner (native threads or a Ray cluster) can be set once per process, so
+:func:`compare_runners` runs the same pipeline in one subprocess per runner
+(``python -m labkit.dataengine --runner ray``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol, Sequence
+
+os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
+
+import daft  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from daft import col  # noqa: E402
+from daft.functions import image_to_tensor, resize  # noqa: E402
+
+from labkit.atomic import atomic_file  # noqa: E402
+from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E402
+from labkit.loaders import ModelStep, StandInAccelerator  # noqa: E402
+from labkit.meter import MeterSummary, StepMeter  # noqa: E402
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """One profile's experiment sizes.
+
+    ``stand_in_images_per_s`` sets Lab 1's stand-in accelerator (an emulation that
+    waits without using the host CPU); ``None`` means a real model step on the GPU.
+    ``latency_ms`` is the emulated per-request latency of remote object storage.
+    """
+
+    num_images: int
+    image_px: int
+    batch_size: int
+    stand_in_images_per_s: float | None
+    rows_per_group: int
+    latency_ms: float
+    latency_images: int
+    runner_images: int
+
+
+class Accelerator(Protocol):
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None: ...
+
+
+SIZES = {
+    "ci": EngineSizes(
+        num_images=1_600, image_px=32, batch_size=64, stand_in_images_per_s=5_000.0,
+        rows_per_group=128, latency_ms=4.0, latency_images=256, runner_images=512,
+    ),
+    "gpu": EngineSizes(
+        num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
+        rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=4_096,
+    ),
+    "multi-gpu": EngineSizes(
+        num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
+        rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=8_192,
+    ),
+}
+BENCHMARK_IMAGES = 10_000
+RUNNERS = ("native", "ray")
+SKIP_RAY_ENV = "LABKIT_SKIP_RAY"
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def decode_pipeline(
+    frame: daft.DataFrame, image_px: int, *, bytes_column: str | None = None
+) -> daft.DataFrame:
+    """``image`` (uint8 HWC tensor) and ``label`` columns, decoded and resized by Daft.
+
+    Without ``bytes_column`` the bytes are downloaded from ``path`` (local paths and
+    ``s3://``/``gs://`` URLs alike); with it they come from a packed Parquet column.
+    """
+    _check_positive(image_px=image_px)
+    source = col("path").download() if bytes_column is None else col(bytes_column)
+    image = image_to_tensor(resize(source.decode_image(mode="RGB"), image_px, image_px))
+    return frame.select(image.alias("image"), col("label"))
+
+
+def torch_batches(
+    frame: daft.DataFrame, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (uint8 images [B, 3, H, W], int64 labels [B]) from a frame with ``image`` and ``label``.
+
+    ``to_arrow_iter`` hands over Arrow batches without a per-row Python object, so
+    the only copy on the torch side is the HWC -> CHW layout change.
+    """
+    _check_positive(batch_size=batch_size)
+    for record_batch in frame.into_batches(batch_size).to_arrow_iter():
+        if record_batch.num_rows == 0:
+            continue
+        images = record_batch.column("image").to_numpy_ndarray()
+        labels = record_batch.column("label").to_numpy()
+        yield (
+            torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),
+            torch.from_numpy(labels.astype(np.int64)),
+        )
+
+
+@dataclass(frozen=True)
+class Representation:
+    """One way of storing the selected images, and what it costs on disk."""
+
+    name: str
+    objects: int
+    disk_bytes: int
+    rows: int
+    row_groups: int
+    write_s: float
+    path: Path | None = None
+
+    @property
+    def bytes_per_image(self) -> float:
+        return self.disk_bytes / self.rows if self.rows else 0.0
+
+    def as_row(self) -> dict[str, object]:
+        return {
+            "representation": self.name,
+            "objects": self.objects,
+            "row_groups": self.row_groups,
+            "disk_MB": round(self.disk_bytes / 1e6, 2),
+            "bytes_per_image": round(self.bytes_per_image),
+            "write_s": round(self.write_s, 2),
+        }
+
+
+def files_representation(frame: daft.DataFrame) -> Representation:
+    """The catalog's own representation: one object per image, sizes from the ``bytes`` column."""
+    table = frame.select("bytes").to_pydict()["bytes"]
+    return Representation(
+        name="files", objects=len(table), disk_bytes=int(sum(table)), rows=len(table),
+        row_groups=0, write_s=0.0,
+    )
+
+
+def _representation(name: str, target: Path, write_s: float) -> Representation:
+    metadata = pq.ParquetFile(target).metadata
+    return Representation(
+        name=name, objects=1, disk_bytes=target.stat().st_size, rows=metadata.num_rows,
+        row_groups=metadata.num_row_groups, write_s=write_s, path=target,
+    )
+
+
+def write_packed(
+    frame: daft.DataFrame, target: str | Path, *, rows_per_group: int = 128
+) -> Representation:
+    """Pack the selected images' JPEG bytes into one Parquet file (the remote-storage format).
+
+    Daft downloads the bytes and cuts exact batches of ``rows_per_group``; pyarrow's
+    writer makes each batch one row group, the unit a reader fetches in one request.
+    """
+    _check_positive(rows_per_group=rows_per_group)
+    target = Path(target)
+    packed = frame.select(col("image_id"), col("label"), col("path").download().alias("jpeg"))
+    start = time.perf_counter()
+    batches = packed.into_batches(rows_per_group).to_arrow_iter()
+    first = next(batches, None)
+    if first is None:
+        raise ValueError("frame must select at least one image, got an empty selection")
+    with atomic_file(target) as tmp:
+        with pq.ParquetWriter(tmp, first.schema) as writer:
+            for batch in itertools.chain([first], batches):
+                writer.write_batch(batch, row_group_size=rows_per_group)
+    return _representation("packed", target, time.perf_counter() - start)
+
+
+def write_tensor_cache(frame: daft.DataFrame, target: str | Path, image_px: int) -> Representation:
+    """Decode and resize once; Daft writes the uint8 tensors to Parquet (the training cache)."""
+    target = Path(target)
+    start = time.perf_counter()
+    with atomic_file(target) as tmp:
+        decode_pipeline(frame, image_px).write_parquet(str(tmp), write_mode="overwrite", single_file=True)
+    return _representation("tensor cache", target, time.perf_counter() - start)
+
+
+def file_batches(
+    frame: daft.DataFrame, image_px: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Decode-per-step from the files the catalog points at."""
+    return torch_batches(decode_pipeline(frame, image_px), batch_size)
+
+
+def packed_batches(
+    path: str | Path, image_px: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Decode-per-step from JPEG bytes packed in Parquet."""
+    frame = daft.read_parquet(str(path))
+    return torch_batches(decode_pipeline(frame, image_px, bytes_column="jpeg"), batch_size)
+
+
+def cache_batches(path: str | Path, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Ready tensors from the cache: no decode, no resize."""
+    return torch_batches(daft.read_parquet(str(path)).select("image", "label"), batch_size)
+
+
+class _CountedFile(io.RawIOBase):
+    """A file whose every read is one request to the emulated store."""
+
+    def __init__(self, path: Path, store: "EmulatedObjectStore") -> None:
+        self._handle = open(path, "rb")
+        self._store = store
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        self._store.pay_request()
+        read = self._handle.readinto(buffer)
+        self._store.bytes_read += read
+        return read
+
+    def close(self) -> None:
+        self._handle.close()
+        super().close()
+
+
+@dataclass
+class EmulatedObjectStore:
+    """An explicit emulation of remote object storage (S3, GCS, Azure Blob).
+
+    Every request -- a whole object or one byte range -- waits ``latency_ms``
+    before it returns, as a round trip to a bucket does; local files have no such
+    cost, so without this emulation the lesson would not show on one machine. It
+    counts requests honestly: each read the reader really makes is one request.
+    ``latency_ms=0`` turns the emulation off (use real storage for real numbers).
+    """
+
+    latency_ms: float = 0.0
+    requests: int = 0
+    bytes_read: int = 0
+
+    def __post_init__(self) -> None:
+        if self.latency_ms < 0:
+            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms}")
+
+    def pay_request(self) -> None:
+        self.requests += 1
+        if self.latency_ms:
+            time.sleep(self.latency_ms / 1e3)
+
+    def get(self, path: str | Path) -> bytes:
+        """Fetch a whole object in one request."""
+        self.pay_request()
+        data = Path(path).read_bytes()
+        self.bytes_read += len(data)
+        return data
+
+    def open(self, path: str | Path) -> io.BufferedReader:
+        """A file object whose reads are ranged requests (unbuffered: one read, one request)."""
+        return io.BufferedReader(_CountedFile(Path(path), self), buffer_size=1)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """What fetching a representation's bytes cost against the emulated store."""
+
+    name: str
+    images: int
+    data_requests: int
+    metadata_requests: int
+    bytes_read: int
+    fetch_s: float
+
+    def as_row(self) -> dict[str, object]:
+        return {
+            "representation": self.name,
+            "images": self.images,
+            "data_requests": self.data_requests,
+            "metadata_requests": self.metadata_requests,
+            "MB_read": round(self.bytes_read / 1e6, 2),
+            "fetch_s": round(self.fetch_s, 3),
+        }
+
+
+def fetch_files(paths: Sequence[str], store: EmulatedObjectStore) -> FetchResult:
+    """Fetch every image file: one request per object."""
+    before_requests, before_bytes = store.requests, store.bytes_read
+    start = time.perf_counter()
+    for path in paths:
+        store.get(path)
+    return FetchResult(
+        name="files", images=len(paths), data_requests=store.requests - before_requests,
+        metadata_requests=0, bytes_read=store.bytes_read - before_bytes,
+        fetch_s=time.perf_counter() - start,
+    )
+
+
+def fetch_parquet(
+    path: str | Path, store: EmulatedObjectStore, *, name: str, max_images: int | None = None,
+) -> FetchResult:
+    """Fetch a Parquet file row group by row group, as a reader on object storage does.
+
+    pyarrow's ``pre_buffer`` coalesces one row group's column chunks into one ranged
+    request; the footer (schema, row-group offsets) costs its own request(s). With
+    ``max_images`` it stops after the row group that reaches that many images.
+    """
+    start = time.perf_counter()
+    before_requests, before_bytes = store.requests, store.bytes_read
+    with store.open(path) as handle:
+        parquet = pq.ParquetFile(handle, pre_buffer=True)
+        metadata_requests = store.requests - before_requests
+        images = 0
+        for index in range(parquet.num_row_groups):
+            if max_images is not None and images >= max_images:
+                break
+            images += parquet.read_row_group(index).num_rows
+    return FetchResult(
+        name=name, images=images,
+        data_requests=store.requests - before_requests - metadata_requests,
+        metadata_requests=metadata_requests, bytes_read=store.bytes_read - before_bytes,
+        fetch_s=time.perf_counter() - start,
+    )
+
+
+def expected_requests(num_images: int, rows_per_group: int) -> int:
+    """Data requests for ``num_images`` packed ``rows_per_group`` to a row group (vs N for files)."""
+    if num_images < 0 or rows_per_group < 1:
+        raise ValueError(
+            f"num_images must be >= 0 and rows_per_group >= 1, got {num_images}, {rows_per_group}"
+        )
+    return math.ceil(num_images / rows_per_group)
+
+
+def rows_per_group(path: str | Path) -> int:
+    """The largest row group of a Parquet file (for :func:`write_packed`, all but the last)."""
+    metadata = pq.ParquetFile(path).metadata
+    return max(metadata.row_group(index).num_rows for index in range(metadata.num_row_groups))
+
+
+def augment_batch(
+    images: torch.Tensor, generator: torch.Generator, *, shift_px: int = 2
+) -> torch.Tensor:
+    """Random horizontal flip and shift (edge pixels repeated) per sample, batched.
+
+    Daft's pipeline is deterministic per row; the randomness lives here, in a few
+    batched torch ops that run on the accelerator when ``images`` is on one. Works
+    on any dtype (uint8 stays uint8); ``generator`` must live on ``images.device``.
+    """
+    if images.dim() != 4:
+        raise ValueError(f"images must be a [B, C, H, W] tensor, got shape {tuple(images.shape)}")
+    if shift_px < 0:
+        raise ValueError(f"shift_px must be >= 0, got {shift_px}")
+    batch, _, height, width = images.shape
+    device = images.device
+    flip = torch.rand(batch, generator=generator, device=device) < 0.5
+    dy = torch.randint(-shift_px, shift_px + 1, (batch,), generator=generator, device=device)
+    dx = torch.randint(-shift_px, shift_px + 1, (batch,), generator=generator, device=device)
+    columns = torch.arange(width, device=device).expand(batch, width)
+    columns = torch.where(flip[:, None], columns.flip(1), columns)
+    rows = (torch.arange(height, device=device) + dy[:, None]).clamp_(0, height - 1)
+    columns = (columns + dx[:, None]).clamp_(0, width - 1)
+    pixels = images.permute(0, 2, 3, 1)
+    index = torch.arange(batch, device=device)[:, None, None]
+    return pixels[index, rows[:, :, None], columns[:, None, :]].permute(0, 3, 1, 2).contiguous()
+
+
+def make_accelerator(sizes: EngineSizes, device: torch.device | str) -> Accelerator:
+    """What the loader feeds: Lab 1's stand-in accelerator (an emulation) or a real model step."""
+    if sizes.stand_in_images_per_s is not None:
+        return StandInAccelerator(images_per_s=sizes.stand_in_images_per_s)
+    return ModelStep(device)
+
+
+def measure_feed(
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    accelerator: Accelerator,
+    *,
+    device: torch.device | str = "cpu",
+    augment: bool = True,
+    seed: int = 0,
+) -> MeterSummary:
+    """Feed ``batches`` to ``accelerator`` under Lab 1's step meter: images/s and busy fraction.
+
+    The batch moves to ``device`` and is augmented there, inside the compute span:
+    on a GPU that work is the accelerator's, not the loader's.
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    meter = StepMeter(device)
+    with _host_threads(1 if device.type == "cpu" else torch.get_num_threads()):
+        for images, labels in meter.iterate(batches):
+            with meter.computing(len(images)):
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                if augment:
+                    images = augment_batch(images, generator)
+                accelerator.step(images, labels)
+    return meter.summary()
+
+
+@contextmanager
+def _host_threads(threads: int) -> Iterator[None]:
+    """On the CPU the loader's threads already hold the cores; a second torch pool oversubscribes them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def drain(batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, float]:
+    """(images, seconds) to pull every batch out of a loader, start-up included."""
+    start = time.perf_counter()
+    images = sum(len(batch[0]) for batch in batches)
+    return images, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class RunnerResult:
+    """One runner's pass over the same pipeline, from its own subprocess."""
+
+    runner: str
+    images: int = 0
+    label_sum: int = 0
+    pixel_sum: int = 0
+    pipeline_s: float = 0.0
+    process_s: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.pipeline_s if self.pipeline_s else 0.0
+
+
+def ray_unavailable_reason() -> str | None:
+    """Why the Ray runner cannot run here, or None when it can."""
+    if os.environ.get(SKIP_RAY_ENV):
+        return f"{SKIP_RAY_ENV} is set (ray.init costs tens of seconds on a small machine)"
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed; pip install 'labkit[distributed]' (ray[data]>=2.40,<2.60)"
+    return None
+
+
+def run_pipeline(
+    catalog: str | Path, *, runner: str, image_px: int, limit: int,
+    ray_address: str | None = None, num_threads: int | None = None,
+) -> RunnerResult:
+    """Set the runner for this process, run the decode pipeline over ``limit`` rows, checksum it.
+
+    Call once per process: Daft fixes the runner on first use.
+    """
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    _check_positive(image_px=image_px, limit=limit)
+    catalog_path(catalog)
+    if runner == "ray":
+        if ray_address is None:
+            import ray
+
+            # A local Ray without its dashboard starts faster; Daft reuses an initialised Ray.
+            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=num_threads)
+        daft.set_runner_ray(address=ray_address)
+    else:
+        daft.set_runner_native(num_threads=num_threads)
+    start = time.perf_counter()
+    frame = decode_pipeline(read_catalog(catalog).sort("image_id").limit(limit), image_px)
+    images = label_sum = pixel_sum = 0
+    for record_batch in frame.to_arrow_iter():
+        pixels = record_batch.column("image").to_numpy_ndarray()
+        images += record_batch.num_rows
+        label_sum += int(record_batch.column("label").to_numpy().sum())
+        pixel_sum += int(pixels.sum(dtype="int64"))
+    return RunnerResult(
+        runner=runner, images=images, label_sum=label_sum, pixel_sum=pixel_sum,
+        pipeline_s=time.perf_counter() - start,
+    )
+
+
+def compare_runners(
+    catalog: str | Path, *, image_px: int, limit: int, runners: Sequence[str] = RUNNERS,
+    ray_address: str | None = None, timeout_s: float = 300.0,
+) -> list[RunnerResult]:
+    """Run the same pipeline once per runner, each in a fresh ``python -m labkit.dataengine``.
+
+    Ray is skipped, with the reason, when it is not installed, when ``LABKIT_SKIP_RAY``
+    is set, or when a local Ray node cannot start in time (an overloaded machine);
+    any other failure raises with the subprocess's error output.
+    """
+    results = []
+    for runner in runners:
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        reason = ray_unavailable_reason() if runner == "ray" else None
+        if reason:
+            results.append(RunnerResult(runner=runner, skipped=reason))
+            continue
+        command = [
+            sys.executable, "-m", "labkit.dataengine", "--catalog", str(catalog),
+            "--runner", runner, "--image-px", str(image_px), "--limit", str(limit),
+        ]
+        if ray_address:
+            command += ["--ray-address", ray_address]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout_s,
+                env={**os.environ, "DAFT_ANALYTICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"},
+            )
+        except subprocess.TimeoutExpired:
+            if runner != "ray":
+                raise
+            results.append(RunnerResult(runner=runner, skipped=f"Ray did not finish within {timeout_s:.0f} s"))
+            continue
+        if done.returncode != 0 and runner == "ray" and RAY_START_TIMEOUT in done.stderr:
+            results.append(RunnerResult(runner=runner, skipped=f"Ray could not start here: {RAY_START_TIMEOUT}"))
+            continue
+        if done.returncode != 0:
+            raise RuntimeError(f"runner {runner!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(RunnerResult(**{**result, "process_s": time.perf_counter() - start}))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m labkit.dataengine",
+        description="Run the decode pipeline on one Daft runner and print a JSON result line.",
+    )
+    parser.add_argument("--catalog", required=True, help="path to catalog.parquet")
+    parser.add_argument("--runner", choices=RUNNERS, default="native")
+    parser.add_argument("--image-px", type=int, default=32)
+    parser.add_argument("--limit", type=int, default=512)
+    parser.add_argument("--num-threads", type=int, default=None, help="native runner threads")
+    parser.add_argument(
+        "--ray-address", default=os.environ.get("RAY_ADDRESS"),
+        help="an existing Ray cluster (ray://host:10001); default starts a local one",
+    )
+    args = parser.parse_args(argv)
+    try:
+        result = run_pipeline(
+            args.catalog, runner=args.runner, image_px=args.image_px, limit=args.limit,
+            ray_address=args.ray_address, num_threads=args.num_threads,
+        )
+    except (CatalogError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Lab 2's data engine: one pipeline, three representations, the same pixels, honest request counts."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from labkit import catalog, dataengine
+
+IMAGE_PX = 16
+ROWS_PER_GROUP = 10
+
+
+@pytest.fixture(scope="module")
+def selected(small_dataset):
+    return catalog.select(catalog.read_catalog(small_dataset), catalog.Selection(split=None))
+
+
+@pytest.fixture(scope="module")
+def stores(selected, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("representations")
+    packed = dataengine.write_packed(selected, folder / "packed.parquet", rows_per_group=ROWS_PER_GROUP)
+    cache = dataengine.write_tensor_cache(selected, folder / "tensors.parquet", IMAGE_PX)
+    return dataengine.files_representation(selected), packed, cache
+
+
+def _collect(batches):
+    images, labels = zip(*batches)
+    return torch.cat(images), torch.cat(labels)
+
+
+def test_pipeline_yields_uint8_chw_batches_of_the_batch_size(selected):
+    batches = list(dataengine.file_batches(selected, IMAGE_PX, batch_size=32))
+    assert all(images.shape[1:] == (3, IMAGE_PX, IMAGE_PX) for images, _ in batches)
+    assert all(images.dtype == torch.uint8 and labels.dtype == torch.int64 for images, labels in batches)
+    assert [len(labels) for _, labels in batches[:-1]] == [32] * (len(batches) - 1)
+    assert sum(len(labels) for _, labels in batches) == selected.count_rows()
+
+
+def test_every_representation_feeds_the_same_pixels(selected, stores):
+    _, packed, cache = stores
+    by_label = []
+    for batches in (
+        dataengine.file_batches(selected, IMAGE_PX, 32),
+        dataengine.packed_batches(packed.path, IMAGE_PX, 32),
+        dataengine.cache_batches(cache.path, 32),
+    ):
+        images, labels = _collect(batches)
+        by_label.append((labels.sort().values.tolist(), int(images.sum(dtype=torch.int64))))
+    assert by_label[0] == by_label[1] == by_label[2]
+
+
+def test_packed_holds_the_same_bytes_in_one_object(stores):
+    files, packed, _ = stores
+    assert files.objects == files.rows and packed.objects == 1
+    assert packed.rows == files.rows
+    assert abs(packed.disk_bytes - files.disk_bytes) < 0.05 * files.disk_bytes
+
+
+def test_tensor_cache_stores_at_most_the_raw_training_pixels(stores):
+    _, _, cache = stores
+    raw_bytes = cache.rows * 3 * IMAGE_PX * IMAGE_PX
+    assert cache.disk_bytes < 1.1 * raw_bytes + (64 << 10)
+
+
+def test_packed_needs_one_request_per_row_group_not_per_image(selected, stores):
+    files, packed, _ = stores
+    assert packed.row_groups > 1
+    store = dataengine.EmulatedObjectStore()
+    paths = selected.select("path").to_pydict()["path"]
+    assert dataengine.fetch_files(paths, store).data_requests == len(paths)
+    fetched = dataengine.fetch_parquet(packed.path, store, name="packed")
+    assert fetched.images == len(paths)
+    assert fetched.data_requests == packed.row_groups == math.ceil(len(paths) / ROWS_PER_GROUP)
+    assert dataengine.rows_per_group(packed.path) == ROWS_PER_GROUP
+
+
+def test_emulated_latency_is_paid_once_per_request(selected):
+    store = dataengine.EmulatedObjectStore(latency_ms=20)
+    paths = selected.select("path").to_pydict()["path"][:5]
+    fetched = dataengine.fetch_files(paths, store)
+    assert fetched.data_requests == store.requests == 5
+    assert fetched.fetch_s >= 5 * 0.020
+
+
+def test_expected_requests_is_n_over_rows_per_group():
+    assert dataengine.expected_requests(1000, 1) == 1000
+    assert dataengine.expected_requests(1000, 128) == 8
+    with pytest.raises(ValueError, match="rows_per_group >= 1"):
+        dataengine.expected_requests(10, 0)
+
+
+def test_tensor_cache_beats_decode_per_step(selected, stores):
+    _, _, cache = stores
+
+    def best_s(make):
+        return min(dataengine.drain(make())[1] for _ in range(3))
+
+    decode_s = best_s(lambda: dataengine.file_batches(selected, IMAGE_PX, 32))
+    cache_s = best_s(lambda: dataengine.cache_batches(cache.path, 32))
+    assert cache_s < decode_s
+
+
+def test_augmentation_is_seeded_and_flips_some_samples_not_all():
+    images = torch.randint(0, 256, (256, 3, 8, 8), dtype=torch.uint8)
+    first = dataengine.augment_batch(images, torch.Generator().manual_seed(0), shift_px=0)
+    again = dataengine.augment_batch(images, torch.Generator().manual_seed(0), shift_px=0)
+    assert torch.equal(first, again) and first.dtype == torch.uint8
+    flipped = (first == images.flip(3)).flatten(1).all(1)
+    unchanged = (first == images).flatten(1).all(1)
+    assert bool((flipped | unchanged).all())
+    assert 64 < int(flipped.sum()) < 192
+
+
+def _every_flip_and_shift(image, shift_px):
+    height, width = image.shape[1:]
+    for flipped in (image, image.flip(2)):
+        for dy in range(-shift_px, shift_px + 1):
+            for dx in range(-shift_px, shift_px + 1):
+                rows = (torch.arange(height) + dy).clamp(0, height - 1)
+                cols = (torch.arange(width) + dx).clamp(0, width - 1)
+                yield flipped[:, rows][:, :, cols]
+
+
+def test_each_sample_is_its_image_flipped_or_not_and_shifted_by_at_most_shift_px():
+    images = torch.randint(0, 256, (16, 3, 6, 6), dtype=torch.uint8)
+    augmented = dataengine.augment_batch(images, torch.Generator().manual_seed(1), shift_px=2)
+    assert augmented.shape == images.shape
+    for image, out in zip(images, augmented):
+        assert any(torch.equal(out, candidate) for candidate in _every_flip_and_shift(image, 2))
+    with pytest.raises(ValueError, match="shift_px must be >= 0"):
+        dataengine.augment_batch(images, torch.Generator(), shift_px=-1)
+
+
+def test_step_meter_sees_every_image_but_the_first_batch(stores):
+    _, _, cache = stores
+    from labkit.loaders import StandInAccelerator
+
+    summary = dataengine.measure_feed(
+        dataengine.cache_batches(cache.path, 16), StandInAccelerator(images_per_s=50_000)
+    )
+    assert summary.items == cache.rows - 16
+    assert 0.0 < summary.busy_fraction <= 1.0
+
+
+def test_ray_skips_with_a_reason_when_asked(monkeypatch, small_dataset):
+    monkeypatch.setenv(dataengine.SKIP_RAY_ENV, "1")
+    (result,) = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
+    assert result.skipped and dataengine.SKIP_RAY_ENV in result.skipped
+
+
+def test_bad_runner_is_refused_before_any_process_starts(small_dataset):
+    with pytest.raises(ValueError, match="runner must be one of"):
+        dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("spark",))
+
+
+def test_cli_names_a_missing_catalog(tmp_path, capsys):
+    assert dataengine.main(["--catalog", str(tmp_path / "none.parquet")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_native_runner_in_a_subprocess_decodes_the_selected_images(small_dataset):
+    start = time.perf_counter()
+    (native,) = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=24, runners=("native",))
+    assert native.images == 24 and native.skipped is None
+    assert native.process_s <= time.perf_counter() - start
+    table = small_dataset.catalog().sort_by("image_id").slice(0, 24)
+    assert native.label_sum == sum(table.column("label").to_pylist())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(dataengine.ray_unavailable_reason() is not None,
+                    reason=f"Ray runner unavailable: {dataengine.ray_unavailable_reason()}")
+def test_ray_runner_gives_the_native_result(small_dataset):
+    native, ray = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=24)
+    if ray.skipped:
+        pytest.skip(ray.skipped)
+    assert (ray.images, ray.label_sum, ray.pixel_sum) == (native.images, native.label_sum, native.pixel_sum)
+
+
+def test_a_file_lost_after_the_check_is_named_by_the_pipeline(tmp_path):
+    import daft
+
+    lost = str(tmp_path / "lost.jpg")
+    frame = daft.from_pydict({"path": [lost], "label": [0]})
+    with pytest.raises(FileNotFoundError, match="lost.jpg"):
+        list(dataengine.file_batches(frame, IMAGE_PX, 4))
