@@ -1,0 +1,178 @@
+"""Lab 6: quantized collectives (ZeRO++), from the quantizer to real ranks."""
+
+import pytest
+import torch
+
+from labkit import quantcomm as qc
+from labkit import zeropp
+
+
+def gaussian(numel: int = 64 * 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_every_element_is_within_half_a_quantization_step(bits):
+    x = gaussian() * 3
+    restored = qc.dequantize_blockwise(qc.quantize_blockwise(x, bits=bits, block_size=128))
+    bound = qc.error_bound_per_element(x, bits=bits, block_size=128)
+    assert torch.all((restored - x).abs() <= bound * (1 + 1e-5) + 1e-7)
+
+
+def test_fewer_bits_cost_more_precision():
+    x = gaussian()
+    errors = [qc.relative_error(x, bits=bits, block_size=256) for bits in (8, 4, 2)]
+    assert errors[0] < 0.01 < errors[1] < 0.2 < errors[2]
+
+
+def test_per_block_scales_contain_an_outlier():
+    x = gaussian()
+    x[0] = 1000.0
+    assert qc.relative_error(x[256:], bits=8, block_size=256) < 0.01
+    restored = qc.dequantize_blockwise(qc.quantize_blockwise(x, bits=8, block_size=256))
+    assert (restored[256:] - x[256:]).norm() / x[256:].norm() < 0.01
+
+
+def test_ragged_and_zero_tensors_round_trip():
+    x = gaussian(1000)
+    q = qc.quantize_blockwise(x, bits=4, block_size=256)
+    assert qc.dequantize_blockwise(q).shape == (1000,)
+    zeros = qc.dequantize_blockwise(qc.quantize_blockwise(torch.zeros(512), bits=4, block_size=256))
+    assert torch.equal(zeros, torch.zeros(512))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_stored_bytes_match_the_byte_formula(bits):
+    q = qc.quantize_blockwise(gaussian(1000), bits=bits, block_size=64)
+    assert q.nbytes == qc.quantized_bytes(1000, bits=bits, block_size=64)
+    assert q.codes.numel() * 8 // bits == qc.padded_numel(1000, bits=bits, block_size=64)
+
+
+def test_int8_weights_move_at_most_027_of_fp32_bytes_scales_included():
+    assert qc.quantized_bytes(2**20, bits=8, block_size=256) <= 0.27 * 4 * 2**20
+
+
+def test_int4_gradients_move_at_most_014_of_fp32_bytes_scales_included():
+    assert qc.quantized_bytes(2**20, bits=4, block_size=256) <= 0.14 * 4 * 2**20
+
+
+def test_wire_buffer_carries_codes_and_scales_unchanged():
+    q = qc.quantize_blockwise(gaussian(), bits=4, block_size=256)
+    back = qc.from_wire(qc.to_wire(q), q.numel, bits=4, block_size=256)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 16, 0])
+def test_unsupported_bit_widths_are_refused(bits):
+    with pytest.raises(ValueError, match="bits must be one of"):
+        qc.quantize_blockwise(gaussian(), bits=bits)
+
+
+@pytest.mark.parametrize("block_size", [0, -256])
+def test_block_size_must_be_positive(block_size):
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        qc.quantize_blockwise(gaussian(), bits=8, block_size=block_size)
+
+
+def test_plain_zero3_moves_3m_per_step():
+    traffic = qc.zero_step_comm_bytes(1_000_000)
+    model = 2_000_000
+    assert (traffic.forward_allgather, traffic.backward_allgather, traffic.grad_reduce_scatter) == (model,) * 3
+    assert traffic.total == 3 * model
+
+
+def test_all_three_zeropp_options_move_075m():
+    traffic = qc.zero_step_comm_bytes(1_000_000, qwz=True, hpz=True, qgz=True)
+    assert traffic.forward_allgather == 0.5 * 2_000_000
+    assert traffic.backward_allgather == 0
+    assert traffic.total == 0.75 * 2_000_000
+
+
+@pytest.mark.parametrize(
+    "options, multiple",
+    [({"qwz": True}, 2.0), ({"hpz": True}, 2.0), ({"qgz": True}, 2.25), ({"qwz": True, "qgz": True}, 1.25)],
+)
+def test_each_option_alone_removes_its_share(options, multiple):
+    assert qc.zero_step_comm_bytes(1_000_000, **options).total == multiple * 2_000_000
+
+
+def test_ring_factor_and_scales_are_what_four_ranks_really_send():
+    traffic = qc.zero_step_comm_bytes(4096, param_bytes=4, qwz=True, block_size=256, world_size=4)
+    assert traffic.forward_allgather == 0.75 * (4096 + 16 * 4)
+
+
+def test_hpz_costs_one_node_share_of_the_model_per_rank():
+    assert qc.hpz_extra_bytes_per_rank(1_000_000, ranks_per_node=8) == 250_000
+    assert qc.hpz_extra_bytes_per_rank(1_000_000, ranks_per_node=2) == 2 * qc.zero3_param_bytes_per_rank(
+        1_000_000, world_size=4
+    )
+
+
+def test_node_layout_maps_ranks_in_blocks_and_tells_cross_node_groups():
+    layout = qc.NodeLayout.for_world(4, 2)
+    assert (layout.nodes, [layout.node_of(r) for r in range(4)]) == (2, [0, 0, 1, 1])
+    assert not layout.spans_nodes([2, 3]) and layout.spans_nodes([0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node", [(3, 2), (6, 4), (0, 2), (4, 0)])
+def test_world_sizes_that_do_not_tile_nodes_are_refused(world_size, ranks_per_node):
+    with pytest.raises(ValueError, match="world_size|ranks_per_node"):
+        qc.NodeLayout.for_world(world_size, ranks_per_node)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 6, "ranks_per_node": 4}, "multiple of ranks_per_node"),
+        ({"world_size": 2, "ranks_per_node": 2}, "at least 2 nodes"),
+        ({"weight_bits": 6}, "bits must be one of"),
+        ({"grad_bits": 16}, "bits must be one of"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"comm_dtype": "float16"}, "comm_dtype must be one of"),
+        ({"bandwidths_gbps": (1.0, 0.0)}, "bandwidths_gbps"),
+    ],
+)
+def test_bad_input_fails_before_any_rank_starts(monkeypatch, kwargs, message):
+    def no_launch(*args, **kw):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("labkit.launcher.launch", no_launch)
+    with pytest.raises(ValueError, match=message):
+        zeropp.run_experiment(**kwargs)
+
+
+def test_calculator_reports_multiples_of_the_model():
+    plain = zeropp.traffic_calculator(7, bandwidth_gbps=100)
+    zpp = zeropp.traffic_calculator(7, bandwidth_gbps=100, qwz=True, hpz=True, qgz=True)
+    assert plain["multiple_of_M"] == 3 and zpp["multiple_of_M"] == 0.75
+    assert plain["link_s"] == pytest.approx(4 * zpp["link_s"])
+
+
+@pytest.mark.slow
+def test_zeropp_on_four_real_ranks_matches_the_volume_model():
+    result = zeropp.run_experiment(
+        4, 2, dims=(32, 64, 32), timed_steps=1, train_steps=3, bandwidths_gbps=(100.0,), timeout_s=120
+    )[0]
+    for row in zeropp.bytes_vs_model(result):
+        assert row["ratio"] == pytest.approx(1.0, abs=0.02), row
+    assert result["bytes"]["hpZ"]["cross_node_phases"]["backward_allgather"] == 0
+    assert result["bytes"]["hpZ"]["intra_node_bytes"] > 0
+    assert result["grad_error"]["within_bound_everywhere"]
+    assert result["hpz_secondary_bytes"] == qc.hpz_extra_bytes_per_rank(
+        result["num_params"], ranks_per_node=2, param_bytes=4
+    )
+    baseline, zpp = result["loss"]["ZeRO-3"], result["loss"]["ZeRO++"]
+    assert baseline[0] == pytest.approx(zpp[0], rel=0.05)
+
+
+def test_deepspeed_quantized_flags_are_only_requested_on_gpu_ranks():
+    cpu = zeropp.deepspeed_configs(on_gpus=False, ranks_per_node=2)
+    gpu = zeropp.deepspeed_configs(on_gpus=True, ranks_per_node=2)
+    assert set(cpu) == {"ZeRO-3", "hpZ"} and cpu["hpZ"] == {"zero_hpz_partition_size": 2}
+    assert gpu["ZeRO++"] == {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                             "zero_quantized_gradients": True}
+
+
+def test_deepspeed_run_refuses_a_single_node_before_starting_ranks():
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        zeropp.run_deepspeed(world_size=2, ranks_per_node=2)
