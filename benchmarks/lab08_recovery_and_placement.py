@@ -1,0 +1,90 @@
+"""Lab 8 targets: recovery from a killed rank, the placement simulator's speed, the torchrun path.
+
+    python benchmarks/lab08_recovery_and_placement.py            # all three
+    python benchmarks/lab08_recovery_and_placement.py --skip-torchrun
+
+Targets (issue 9, CI profile): a killed rank back to the next training step in <= 15 s;
+10,000 GPUs and 1,000 jobs simulated in <= 5 s. Prints figures; asserts nothing about noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from labkit import placement, profile, recovery
+from labkit.devices import describe_machine, load_average
+
+
+def recovery_from_kills(work: Path, kills: int, warm_standby: bool, steps_between_kills: int) -> list[dict]:
+    """Kills spaced so that a warm standby process has time to boot between them."""
+    size = {**profile().pick(recovery.SIZES), "steps": (kills + 1) * steps_between_kills}
+    plan = [recovery.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
+    report = recovery.supervise(work / f"kills-warm-{warm_standby}", world_size=2, spares=kills, faults=plan,
+                                warm_standby=warm_standby, **size)
+    rows = report.detection_table()
+    assert report.recovered == sorted(f.fault_id for f in plan) and report.leftover_pids == []
+    return rows
+
+
+def simulator_speed() -> dict[str, float]:
+    fleet = placement.uniform_fleet(2, 5, 125, seed=0)
+    jobs = placement.generate_jobs(1000, seed=1)
+    timings = {}
+    for policy in placement.POLICIES:
+        start = time.perf_counter()
+        placement.simulate(fleet, jobs, policy, seed=1)
+        timings[policy] = time.perf_counter() - start
+    return timings
+
+
+def torchrun_restart(work: Path) -> dict:
+    """The same entry point under torchrun --max-restarts: a kill, a restart, the same weights."""
+    tiny = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
+    recovery.supervise(work / "reference", world_size=2, spares=0, **tiny)
+    kwargs = {**tiny, "run_dir": str(work / "torchrun"), "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
+    start = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", "-m", "labkit.recovery", "--kwargs", json.dumps(kwargs)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    same = done.returncode == 0 and recovery.bit_identical(
+        recovery.final_weights(work / "reference"), recovery.final_weights(work / "torchrun"))
+    return {"returncode": done.returncode, "wall_s": time.time() - start,
+            "attempts": len(list((work / "torchrun").glob("attempt-*"))), "bit_identical": same,
+            "stderr_tail": "" if done.returncode == 0 else done.stderr[-2000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--steps-between-kills", type=int, default=150)
+    parser.add_argument("--skip-torchrun", action="store_true")
+    args = parser.parse_args()
+    print(describe_machine(), "| load average", load_average())
+    with tempfile.TemporaryDirectory(prefix="lab08-") as tmp:
+        work = Path(tmp)
+        for warm_standby in (False, True):
+            rows = recovery_from_kills(work, args.kills, warm_standby, args.steps_between_kills)
+            for row in rows:
+                print(row)
+            worst = max(row["recovery_s"] for row in rows)
+            kind = "warm standby processes" if warm_standby else "cold restarts (baseline, the default)"
+            print(f"{kind}: killed rank -> next training step: worst {worst:.1f} s over {len(rows)} kills "
+                  "(target <= 15 s)")
+        timings = simulator_speed()
+        for policy, seconds in timings.items():
+            print(f"simulator, 10,000 GPUs x 1,000 jobs, {policy}: {seconds:.2f} s (target <= 5 s)")
+        if not args.skip_torchrun:
+            print("torchrun --max-restarts 1 with a killed rank:", torchrun_restart(work))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""How often to checkpoint: the Young/Daly model, as pure functions.
+
+Checkpointing too often wastes time saving; too rarely wastes the work redone
+after each failure. Young (1974) balanced the two to first order: with a save
+that costs ``C`` seconds of training time and a mean time between failures ``M``,
+the best interval of useful work between saves is ``sqrt(2 C M)``; Daly (2006)
+refined it for ``C`` close to ``M``. What matters for a training run is the
+*blocking* cost: an asynchronous save that blocks for a fraction of the write
+lowers ``C``, so the best interval shrinks and less work is lost per failure.
+
+Everything here is pure arithmetic on seconds, so the widgets in the notebook and
+the unit tests call the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum ``sqrt(2 * cost * MTBF)`` (seconds of work between saves)."""
+    _positive("checkpoint_cost_s", checkpoint_cost_s)
+    _positive("mtbf_s", mtbf_s)
+    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
+
+
+def expected_lost_work_s(interval_s: float, checkpoint_cost_s: float) -> float:
+    """Work redone per failure: a failure lands uniformly within one period of
+    ``interval + cost``, so on average half a period is lost."""
+    _positive("interval_s", interval_s)
+    _non_negative("checkpoint_cost_s", checkpoint_cost_s)
+    return (interval_s + checkpoint_cost_s) / 2.0
+
+
+def goodput_fraction(
+    interval_s: float, checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.0
+) -> float:
+    """Fraction of wall time that advances training, to first order.
+
+    Saving costs ``cost / (interval + cost)`` of every period; each failure (one
+    per ``mtbf_s`` on average) costs the restart plus the lost work. Clamped at 0:
+    a run that fails faster than it recovers makes no progress.
+    """
+    _positive("interval_s", interval_s)
+    _non_negative("checkpoint_cost_s", checkpoint_cost_s)
+    _positive("mtbf_s", mtbf_s)
+    _non_negative("restart_s", restart_s)
+    saving = interval_s / (interval_s + checkpoint_cost_s)
+    failures = (restart_s + expected_lost_work_s(interval_s, checkpoint_cost_s)) / mtbf_s
+    return max(0.0, saving * (1.0 - failures))
+
+
+@dataclass(frozen=True)
+class IntervalPlan:
+    interval_s: float
+    lost_work_per_failure_s: float
+    goodput: float
+    saves_per_hour: float
+
+
+def plan_interval(checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> IntervalPlan:
+    """The Young/Daly interval and what it buys: the logic behind the notebook's widget."""
+    interval = young_daly_interval_s(checkpoint_cost_s, mtbf_s)
+    return IntervalPlan(
+        interval_s=interval,
+        lost_work_per_failure_s=expected_lost_work_s(interval, checkpoint_cost_s),
+        goodput=goodput_fraction(interval, checkpoint_cost_s, mtbf_s, restart_s),
+        saves_per_hour=3600.0 / (interval + checkpoint_cost_s),
+    )
+
+
+def restore_time_s(state_bytes: float, read_bytes_per_s: float, startup_s: float = 0.0) -> float:
+    """A *model* for the restore-cache proposal, nothing implemented: restart time is
+    start-up plus reading the state at the source's bandwidth (remote storage vs a
+    peer's memory holding a replica)."""
+    _positive("state_bytes", state_bytes)
+    _positive("read_bytes_per_s", read_bytes_per_s)
+    _non_negative("startup_s", startup_s)
+    return startup_s + state_bytes / read_bytes_per_s

@@ -1,0 +1,496 @@
+"""A fleet placement simulator: where a job lands decides how fast it runs.
+
+This is a **simulator**, not a scheduler. It models a fleet of clusters, each
+split into zones of nodes with GPUs, and replays a stream of training jobs
+through one placement policy. A job's step time is its compute time plus one
+gradient all-reduce priced by Lab 5's alpha-beta ring model
+(:func:`labkit.collectives.collective_time_s`) over the *slowest* link its
+placement crosses: a ring is only as fast as its slowest hop, so one GPU in
+another zone slows every step of the whole job.
+
+Khanna (Adobe) describes keeping each job inside one cluster and preferably one
+zone while the fleet spans clusters; the simulator lets us see why and what it
+costs (jobs wait longer for a zone with room). Failures are drawn per node from
+a failure rate; a job that loses a node loses the work since its last
+checkpoint and waits for a replacement, which is fast when spares are held
+back. Everything is deterministic given the seed.
+
+Simplifications, stated so nobody mistakes them for measurements: compute time
+per step does not depend on placement; failed nodes are replaced at once (the
+wait is the job's, not the fleet's); links are not shared between jobs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from labkit.collectives import Link, collective_time_s
+
+SCOPES = ("node", "zone", "cluster", "fleet")
+POLICIES = ("first-fit-anywhere", "pack-in-one-cluster", "pack-in-one-zone", "with-spares-held-back")
+
+# The Llama 3 paper's figures (theirs): 419 unexpected interruptions in 54 days on
+# 16,384 GPUs, i.e. 2,048 nodes of 8.
+LLAMA3_FAILURES_PER_NODE_HOUR = 419 / (54 * 24 * 2048)
+
+DEFAULT_LINKS: dict[str, Link] = {
+    "node": Link("intra-node (NVLink class)", bandwidth_gbps=2400.0, latency_us=3.0),
+    "zone": Link("intra-zone (400G InfiniBand)", bandwidth_gbps=400.0, latency_us=5.0),
+    "cluster": Link("cross-zone (100G Ethernet)", bandwidth_gbps=100.0, latency_us=50.0),
+    "fleet": Link("cross-cluster (25G WAN)", bandwidth_gbps=25.0, latency_us=2000.0),
+}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Clusters of zones of nodes. Per-node arrays are indexed by node id.
+
+    Nodes are numbered cluster by cluster, zone by zone, so a zone and a cluster
+    are each a contiguous range of node ids.
+    """
+
+    gpus_per_node: int
+    node_cluster: np.ndarray
+    node_zone: np.ndarray
+    failures_per_node_hour: np.ndarray
+    links: dict[str, Link]
+
+    @property
+    def nodes(self) -> int:
+        return int(self.node_cluster.size)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def clusters(self) -> int:
+        return int(self.node_cluster.max()) + 1
+
+    @property
+    def zones(self) -> int:
+        return int(self.node_zone.max()) + 1
+
+    def cluster_gpus(self) -> np.ndarray:
+        return np.bincount(self.node_cluster, minlength=self.clusters) * self.gpus_per_node
+
+    def zone_gpus(self) -> np.ndarray:
+        return np.bincount(self.node_zone, minlength=self.zones) * self.gpus_per_node
+
+    def describe(self) -> str:
+        return (
+            f"{self.clusters} clusters, {self.zones} zones, {self.nodes} nodes, "
+            f"{self.gpus:,} GPUs ({self.gpus_per_node} per node)"
+        )
+
+
+def build_fleet(
+    nodes_per_zone: Sequence[Sequence[int]],
+    *,
+    gpus_per_node: int = 8,
+    failures_per_node_hour: float = LLAMA3_FAILURES_PER_NODE_HOUR,
+    failure_rate_spread: float = 1.0,
+    links: dict[str, Link] | None = None,
+    seed: int = 0,
+) -> Fleet:
+    """A fleet from ``nodes_per_zone[cluster][zone]``.
+
+    Node failure rates are log-normal around ``failures_per_node_hour`` with
+    sigma ``failure_rate_spread``: a few bad nodes fail far more often than the
+    median, as fleets report.
+    """
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    if failures_per_node_hour < 0:
+        raise ValueError(f"failures_per_node_hour must be >= 0, got {failures_per_node_hour}")
+    if failure_rate_spread < 0:
+        raise ValueError(f"failure_rate_spread must be >= 0, got {failure_rate_spread}")
+    clusters, zones = [], []
+    zone_id = 0
+    for cluster_id, zone_sizes in enumerate(nodes_per_zone):
+        for count in zone_sizes:
+            if count < 0:
+                raise ValueError(f"nodes_per_zone entries must be >= 0, got {count} in cluster {cluster_id}")
+            clusters += [cluster_id] * count
+            zones += [zone_id] * count
+            zone_id += 1
+    if not clusters:
+        raise ValueError(
+            f"fleet has no capacity: nodes_per_zone={list(map(list, nodes_per_zone))} holds no nodes; "
+            "give at least one zone at least one node"
+        )
+    links = dict(DEFAULT_LINKS if links is None else links)
+    missing = [scope for scope in SCOPES if scope not in links]
+    if missing:
+        raise ValueError(f"links must name every scope {SCOPES}, missing {missing}")
+    rng = np.random.default_rng(seed)
+    mean_log = np.log(max(failures_per_node_hour, 1e-300)) - failure_rate_spread**2 / 2
+    rates = np.exp(rng.normal(mean_log, failure_rate_spread, len(clusters))) if failures_per_node_hour else np.zeros(len(clusters))
+    return Fleet(
+        gpus_per_node=gpus_per_node,
+        node_cluster=np.asarray(clusters, dtype=np.int64),
+        node_zone=np.asarray(zones, dtype=np.int64),
+        failures_per_node_hour=rates,
+        links=links,
+    )
+
+
+def uniform_fleet(clusters: int, zones_per_cluster: int, nodes_per_zone: int, **kwargs) -> Fleet:
+    """Every cluster the same shape (``10,000 GPUs = 2 x 5 x 125 nodes x 8``)."""
+    for name, value in (("clusters", clusters), ("zones_per_cluster", zones_per_cluster), ("nodes_per_zone", nodes_per_zone)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return build_fleet([[nodes_per_zone] * zones_per_cluster] * clusters, **kwargs)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job: how many GPUs, how many steps, and how chatty each step is."""
+
+    job_id: int
+    arrival_s: float
+    gpus: int
+    steps: int
+    compute_s_per_step: float
+    gradient_bytes: int
+    profile: str = "custom"
+
+
+COMM_PROFILES = {
+    "compute-heavy": {"compute_s_per_step": 1.0, "gradient_bytes": 200_000_000},
+    "comm-heavy": {"compute_s_per_step": 0.3, "gradient_bytes": 4_000_000_000},
+}
+
+
+def generate_jobs(
+    n_jobs: int,
+    *,
+    seed: int = 0,
+    mean_interarrival_s: float = 300.0,
+    sizes_gpus: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
+    size_weights: Sequence[float] | None = None,
+    comm_heavy_fraction: float = 0.5,
+    mean_steps: int = 20_000,
+) -> list[Job]:
+    """A Poisson stream of jobs with sizes and communication profiles drawn from ``seed``."""
+    if n_jobs < 1:
+        raise ValueError(f"n_jobs must be >= 1, got {n_jobs}")
+    if mean_interarrival_s <= 0:
+        raise ValueError(f"mean_interarrival_s must be > 0, got {mean_interarrival_s}")
+    if not 0 <= comm_heavy_fraction <= 1:
+        raise ValueError(f"comm_heavy_fraction must be in [0, 1], got {comm_heavy_fraction}")
+    if not sizes_gpus or min(sizes_gpus) < 1:
+        raise ValueError(f"sizes_gpus must be non-empty with every size >= 1, got {list(sizes_gpus)}")
+    if mean_steps < 1:
+        raise ValueError(f"mean_steps must be >= 1, got {mean_steps}")
+    rng = np.random.default_rng(seed)
+    weights = np.asarray(size_weights if size_weights is not None else [1.0] * len(sizes_gpus), dtype=float)
+    arrivals = np.cumsum(rng.exponential(mean_interarrival_s, n_jobs))
+    sizes = rng.choice(np.asarray(sizes_gpus), size=n_jobs, p=weights / weights.sum())
+    heavy = rng.random(n_jobs) < comm_heavy_fraction
+    steps = np.maximum(1, rng.exponential(mean_steps, n_jobs).astype(int))
+    jobs = []
+    for i in range(n_jobs):
+        name = "comm-heavy" if heavy[i] else "compute-heavy"
+        jobs.append(Job(i, float(arrivals[i]), int(sizes[i]), int(steps[i]), profile=name, **COMM_PROFILES[name]))
+    return jobs
+
+
+def step_time_s(job: Job, scope: str, links: dict[str, Link]) -> float:
+    """Compute plus one ring all-reduce of the gradients over the slowest link crossed."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    comm_s = collective_time_s("all_reduce", job.gradient_bytes, job.gpus, links[scope]) if job.gpus > 1 else 0.0
+    return job.compute_s_per_step + comm_s
+
+
+@dataclass
+class _FreeGpus:
+    """Free GPUs per node, with per-zone and per-cluster totals kept in step."""
+
+    fleet: Fleet
+    usable: np.ndarray
+    free: np.ndarray = field(init=False)
+    zone_free: np.ndarray = field(init=False)
+    cluster_free: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.free = np.where(self.usable, self.fleet.gpus_per_node, 0).astype(np.int64)
+        self.zone_free = np.bincount(self.fleet.node_zone, weights=self.free, minlength=self.fleet.zones).astype(np.int64)
+        self.cluster_free = np.bincount(self.fleet.node_cluster, weights=self.free, minlength=self.fleet.clusters).astype(np.int64)
+        self.zone_start = np.searchsorted(self.fleet.node_zone, np.arange(self.fleet.zones))
+        self.zone_end = np.searchsorted(self.fleet.node_zone, np.arange(self.fleet.zones), side="right")
+        self.cluster_start = np.searchsorted(self.fleet.node_cluster, np.arange(self.fleet.clusters))
+        self.cluster_end = np.searchsorted(self.fleet.node_cluster, np.arange(self.fleet.clusters), side="right")
+        self.total = int(self.free.sum())
+
+    def take(self, start: int, end: int, gpus: int) -> tuple[np.ndarray, np.ndarray]:
+        """First fit over nodes ``start:end``, fullest-fitting node first for small jobs."""
+        window = self.free[start:end]
+        if gpus <= self.fleet.gpus_per_node:
+            fits = np.flatnonzero(window >= gpus)
+            if fits.size:
+                best = fits[np.argmin(window[fits])]
+                nodes, counts = np.array([start + best]), np.array([gpus])
+                self._apply(nodes, counts, -1)
+                return nodes, counts
+        candidates = np.flatnonzero(window)
+        cumulative = np.cumsum(window[candidates])
+        last = int(np.searchsorted(cumulative, gpus))
+        nodes = start + candidates[: last + 1]
+        counts = window[candidates[: last + 1]].copy()
+        counts[-1] -= cumulative[last] - gpus
+        self._apply(nodes, counts, -1)
+        return nodes, counts
+
+    def release(self, nodes: np.ndarray, counts: np.ndarray) -> None:
+        self._apply(nodes, counts, +1)
+
+    def _apply(self, nodes: np.ndarray, counts: np.ndarray, sign: int) -> None:
+        self.free[nodes] += sign * counts
+        np.add.at(self.zone_free, self.fleet.node_zone[nodes], sign * counts)
+        np.add.at(self.cluster_free, self.fleet.node_cluster[nodes], sign * counts)
+        self.total += sign * int(counts.sum())
+
+
+def _best_fit(free_per_group: np.ndarray, gpus: int) -> int | None:
+    """The group with the least free room that still fits (keeps big holes for big jobs)."""
+    fits = np.flatnonzero(free_per_group >= gpus)
+    if not fits.size:
+        return None
+    return int(fits[np.argmin(free_per_group[fits])])
+
+
+def _place(state: _FreeGpus, policy: str, gpus: int, zone_capacity_gpus: int) -> tuple[np.ndarray, np.ndarray] | None:
+    if gpus > state.total:
+        return None
+    if policy == "first-fit-anywhere":
+        return state.take(0, state.fleet.nodes, gpus)
+    if policy in ("pack-in-one-zone", "with-spares-held-back") and gpus <= zone_capacity_gpus:
+        zone = _best_fit(state.zone_free, gpus)
+        return None if zone is None else state.take(state.zone_start[zone], state.zone_end[zone], gpus)
+    cluster = _best_fit(state.cluster_free, gpus)
+    return None if cluster is None else state.take(state.cluster_start[cluster], state.cluster_end[cluster], gpus)
+
+
+def _scope(fleet: Fleet, nodes: np.ndarray) -> str:
+    if nodes.size == 1:
+        return "node"
+    if fleet.node_zone[nodes[0]] == fleet.node_zone[nodes[-1]]:
+        return "zone"
+    if fleet.node_cluster[nodes[0]] == fleet.node_cluster[nodes[-1]]:
+        return "cluster"
+    return "fleet"
+
+
+@dataclass(frozen=True)
+class RecoveryCosts:
+    """What one node failure costs a running job (simulation inputs, not measurements)."""
+
+    checkpoint_interval_s: float = 1800.0
+    spare_swap_s: float = 300.0
+    replacement_wait_s: float = 4 * 3600.0
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Per-job outcomes of one policy, plus the fleet-level figures."""
+
+    policy: str
+    arrival_s: np.ndarray
+    start_s: np.ndarray
+    finish_s: np.ndarray
+    gpus: np.ndarray
+    scope: np.ndarray
+    failures: np.ndarray
+    profile: np.ndarray
+    fleet_gpus: int
+
+    @property
+    def queue_delay_s(self) -> np.ndarray:
+        return self.start_s - self.arrival_s
+
+    @property
+    def completion_s(self) -> np.ndarray:
+        """Job completion time: arrival to finish (queueing plus running)."""
+        return self.finish_s - self.arrival_s
+
+    @property
+    def makespan_s(self) -> float:
+        return float(self.finish_s.max() - self.arrival_s.min())
+
+    @property
+    def utilisation(self) -> float:
+        """Busy GPU-seconds over all GPU-seconds of the run (held-back spares count as idle)."""
+        busy = float(np.sum(self.gpus * (self.finish_s - self.start_s)))
+        return busy / (self.fleet_gpus * self.makespan_s)
+
+    @property
+    def jobs_per_day(self) -> float:
+        return self.finish_s.size / (self.makespan_s / 86_400)
+
+    def mean_completion_h(self, profile: str | None = None) -> float:
+        mask = np.ones(self.finish_s.size, bool) if profile is None else self.profile == profile
+        return float(self.completion_s[mask].mean() / 3600)
+
+    def summary(self) -> dict[str, float | str]:
+        return {
+            "policy": self.policy,
+            "mean_completion_h": self.mean_completion_h(),
+            "comm_heavy_completion_h": self.mean_completion_h("comm-heavy"),
+            "mean_queue_delay_h": float(self.queue_delay_s.mean() / 3600),
+            "utilisation": self.utilisation,
+            "jobs_per_day": self.jobs_per_day,
+            "jobs_spanning_zones": int(np.isin(self.scope, ["cluster", "fleet"]).sum()),
+            "jobs_spanning_clusters": int((self.scope == "fleet").sum()),
+            "failures": int(self.failures.sum()),
+        }
+
+
+def _validate_jobs(fleet: Fleet, jobs: Sequence[Job], usable_gpus_per_cluster: np.ndarray) -> None:
+    if not jobs:
+        raise ValueError("jobs must hold at least one job, got none")
+    largest = int(usable_gpus_per_cluster.max())
+    for job in jobs:
+        if job.gpus < 1:
+            raise ValueError(f"job {job.job_id}: gpus must be >= 1, got {job.gpus}")
+        if job.gpus > largest:
+            raise ValueError(
+                f"job {job.job_id} needs {job.gpus} GPUs but the largest cluster offers {largest} "
+                "(after spares are held back); a job must fit in one cluster: split it or grow a cluster"
+            )
+
+
+def simulate(
+    fleet: Fleet,
+    jobs: Sequence[Job],
+    policy: str,
+    *,
+    seed: int = 0,
+    spare_nodes_per_cluster: int = 2,
+    recovery: RecoveryCosts = RecoveryCosts(),
+) -> SimulationResult:
+    """Replay ``jobs`` through ``policy``; event-driven (a heap of completions), FIFO with backfill.
+
+    Queued jobs start in arrival order as soon as they fit; a job that does not
+    fit yet does not block smaller ones behind it. Failures: each running job
+    draws its failures from the summed rates of its nodes, with a generator
+    seeded by ``(seed, job_id)`` so every policy sees the same luck per job.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if spare_nodes_per_cluster < 0:
+        raise ValueError(f"spare_nodes_per_cluster must be >= 0, got {spare_nodes_per_cluster}")
+    usable = np.ones(fleet.nodes, dtype=bool)
+    holds_spares = policy == "with-spares-held-back"
+    if holds_spares:
+        for cluster in range(fleet.clusters):
+            members = np.flatnonzero(fleet.node_cluster == cluster)
+            usable[members[len(members) - spare_nodes_per_cluster:] if spare_nodes_per_cluster else []] = False
+    state = _FreeGpus(fleet, usable)
+    usable_per_cluster = np.bincount(fleet.node_cluster, weights=usable, minlength=fleet.clusters) * fleet.gpus_per_node
+    if usable_per_cluster.max() <= 0:
+        raise ValueError(
+            f"fleet has no capacity left for jobs: spare_nodes_per_cluster={spare_nodes_per_cluster} "
+            "holds back every node; lower it"
+        )
+    _validate_jobs(fleet, jobs, usable_per_cluster)
+    zone_capacity = int((np.bincount(fleet.node_zone, weights=usable, minlength=fleet.zones) * fleet.gpus_per_node).max())
+    recovery_wait_s = recovery.spare_swap_s if holds_spares else recovery.replacement_wait_s
+
+    n = len(jobs)
+    start, finish = np.zeros(n), np.zeros(n)
+    scopes = np.empty(n, dtype=object)
+    failures = np.zeros(n, dtype=np.int64)
+    order = sorted(range(n), key=lambda i: (jobs[i].arrival_s, i))
+    queues: dict[int, deque[int]] = {}
+    running: list[tuple[float, int]] = []
+    allocations: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    next_arrival = 0
+    now = 0.0
+
+    def start_job(i: int, placement: tuple[np.ndarray, np.ndarray]) -> None:
+        job = jobs[i]
+        nodes = placement[0]
+        scope = _scope(fleet, nodes)
+        run_s = job.steps * step_time_s(job, scope, fleet.links)
+        rng = np.random.default_rng((seed, job.job_id))
+        rate_per_s = fleet.failures_per_node_hour[nodes].sum() / 3600
+        count = int(rng.poisson(rate_per_s * run_s))
+        lost_s = float(rng.uniform(0, min(recovery.checkpoint_interval_s, run_s), count).sum())
+        start[i], scopes[i], failures[i] = now, scope, count
+        finish[i] = now + run_s + lost_s + count * recovery_wait_s
+        allocations[i] = placement
+        heapq.heappush(running, (finish[i], i))
+
+    def schedule() -> None:
+        while queues:
+            heads = sorted((queue[0], size) for size, queue in queues.items())
+            started = False
+            for i, size in heads:
+                placement = _place(state, policy, size, zone_capacity)
+                if placement is not None:
+                    queues[size].popleft()
+                    if not queues[size]:
+                        del queues[size]
+                    start_job(i, placement)
+                    started = True
+                    break
+            if not started:
+                return
+
+    while next_arrival < n or running:
+        arrival_t = jobs[order[next_arrival]].arrival_s if next_arrival < n else np.inf
+        if running and running[0][0] <= arrival_t:
+            now, i = heapq.heappop(running)
+            state.release(*allocations.pop(i))
+        else:
+            now = arrival_t
+            i = order[next_arrival]
+            queues.setdefault(jobs[i].gpus, deque()).append(i)
+            next_arrival += 1
+        schedule()
+    return SimulationResult(
+        policy=policy,
+        arrival_s=np.array([job.arrival_s for job in jobs]),
+        start_s=start,
+        finish_s=finish,
+        gpus=np.array([job.gpus for job in jobs]),
+        scope=scopes.astype(str),
+        failures=failures,
+        profile=np.array([job.profile for job in jobs]),
+        fleet_gpus=fleet.gpus,
+    )
+
+
+def compare_policies(
+    fleet: Fleet, jobs: Sequence[Job], policies: Sequence[str] = POLICIES, **kwargs
+) -> dict[str, SimulationResult]:
+    """The same fleet and job stream under each policy."""
+    return {policy: simulate(fleet, jobs, policy, **kwargs) for policy in policies}
+
+
+def plot_policies(results: dict[str, SimulationResult]):
+    """Four panels: completion time (all / comm-heavy), queueing delay, utilisation, jobs per day."""
+    from labkit import plots
+
+    fig, axes = plots.figure(4, width=15, height=3.8)
+    labels = list(results)
+    colors = [plots.BASELINE if name == "first-fit-anywhere" else plots.FIX for name in labels]
+    summaries = [results[name].summary() for name in labels]
+    plots.bars(axes[0], labels, [s["comm_heavy_completion_h"] for s in summaries], colors=colors,
+               fmt="{:.1f}", ylabel="hours", title="comm-heavy job completion time")
+    plots.bars(axes[1], labels, [s["mean_queue_delay_h"] for s in summaries], colors=colors,
+               fmt="{:.2f}", ylabel="hours", title="mean queueing delay")
+    plots.bars(axes[2], labels, [s["utilisation"] for s in summaries], colors=colors,
+               fmt="{:.2f}", ylabel="fraction", title="fleet utilisation")
+    plots.bars(axes[3], labels, [s["jobs_per_day"] for s in summaries], colors=colors,
+               fmt="{:.0f}", ylabel="jobs/day", title="completed jobs per day")
+    fig.suptitle("Fleet placement simulator (simulated, not measured)")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,122 @@
+"""Lab 8: the fleet placement simulator -- keep a job in one zone and it finishes sooner."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from labkit import placement as pl
+from labkit.collectives import collective_time_s
+
+
+@pytest.fixture(scope="module")
+def fleet() -> pl.Fleet:
+    return pl.uniform_fleet(2, 4, 16, seed=1)
+
+
+@pytest.fixture(scope="module")
+def jobs(fleet) -> list[pl.Job]:
+    return pl.generate_jobs(200, seed=3, mean_interarrival_s=240, sizes_gpus=(8, 16, 32, 64, 128))
+
+
+def test_fleet_shape_and_capacity(fleet):
+    assert fleet.gpus == 2 * 4 * 16 * 8
+    assert fleet.clusters == 2 and fleet.zones == 8
+    assert list(fleet.cluster_gpus()) == [512, 512]
+    assert np.all(np.diff(fleet.node_zone) >= 0), "zones are contiguous node ranges"
+
+
+def test_step_time_uses_the_slowest_link_crossed(jobs, fleet):
+    job = next(j for j in jobs if j.profile == "comm-heavy" and j.gpus >= 16)
+    times = [pl.step_time_s(job, scope, fleet.links) for scope in pl.SCOPES]
+    assert times == sorted(times) and times[0] < times[-1]
+    expected = job.compute_s_per_step + collective_time_s("all_reduce", job.gradient_bytes, job.gpus, fleet.links["zone"])
+    assert pl.step_time_s(job, "zone", fleet.links) == pytest.approx(expected)
+
+
+def test_zone_packing_never_spans_zones_and_first_fit_does(fleet, jobs):
+    zone = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=0)
+    anywhere = pl.simulate(fleet, jobs, "first-fit-anywhere", seed=0)
+    cluster = pl.simulate(fleet, jobs, "pack-in-one-cluster", seed=0)
+    assert not np.isin(zone.scope, ["cluster", "fleet"]).any()
+    assert not (cluster.scope == "fleet").any()
+    assert np.isin(anywhere.scope, ["cluster", "fleet"]).any()
+
+
+def test_zone_local_placement_finishes_comm_heavy_jobs_sooner(fleet, jobs):
+    zone = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=0)
+    anywhere = pl.simulate(fleet, jobs, "first-fit-anywhere", seed=0)
+    assert zone.mean_completion_h("comm-heavy") < anywhere.mean_completion_h("comm-heavy")
+
+
+def test_every_job_completes_once_and_never_before_it_arrives(fleet, jobs):
+    for policy in pl.POLICIES:
+        result = pl.simulate(fleet, jobs, policy, seed=0)
+        assert np.all(result.start_s >= result.arrival_s)
+        assert np.all(result.finish_s > result.start_s)
+        assert 0 < result.utilisation <= 1
+
+
+def test_gpus_are_never_oversubscribed(fleet, jobs):
+    result = pl.simulate(fleet, jobs, "first-fit-anywhere", seed=0)
+    events = sorted([(t, g) for t, g in zip(result.start_s, result.gpus)] +
+                    [(t, -g) for t, g in zip(result.finish_s, result.gpus)], key=lambda e: (e[0], e[1]))
+    in_use = np.cumsum([g for _, g in events])
+    assert in_use.max() <= fleet.gpus
+
+
+def test_spares_held_back_recover_failures_faster():
+    fleet = pl.uniform_fleet(1, 2, 16, failures_per_node_hour=0.01, seed=2)
+    jobs = pl.generate_jobs(60, seed=5, mean_interarrival_s=3000, sizes_gpus=(8, 16, 32))
+    spares = pl.simulate(fleet, jobs, "with-spares-held-back", seed=1)
+    zone = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=1)
+    assert spares.failures.sum() > 0
+    busy = spares.failures > 0
+    per_failure_spares = (spares.finish_s - spares.start_s)[busy].sum() / spares.failures.sum()
+    per_failure_zone = (zone.finish_s - zone.start_s)[zone.failures > 0].sum() / max(zone.failures.sum(), 1)
+    assert per_failure_spares < per_failure_zone
+
+
+def test_simulation_is_deterministic_given_a_seed(fleet, jobs):
+    a = pl.simulate(fleet, jobs, "with-spares-held-back", seed=7)
+    b = pl.simulate(fleet, jobs, "with-spares-held-back", seed=7)
+    assert np.array_equal(a.finish_s, b.finish_s) and a.summary() == b.summary()
+    assert pl.generate_jobs(50, seed=1) == pl.generate_jobs(50, seed=1)
+
+
+def test_ten_thousand_gpus_and_a_thousand_jobs_in_five_seconds():
+    fleet = pl.uniform_fleet(2, 5, 125)
+    jobs = pl.generate_jobs(1000, seed=1)
+    assert fleet.gpus == 10_000
+    start = time.perf_counter()
+    result = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=1)
+    elapsed_s = time.perf_counter() - start
+    assert result.finish_s.size == 1000
+    assert elapsed_s <= 5.0, f"simulation took {elapsed_s:.1f}s"
+
+
+def test_fleet_with_no_capacity_is_refused():
+    with pytest.raises(ValueError, match="no capacity"):
+        pl.build_fleet([[0, 0], []])
+    with pytest.raises(ValueError, match="gpus_per_node must be >= 1"):
+        pl.uniform_fleet(1, 1, 4, gpus_per_node=0)
+    tiny = pl.uniform_fleet(1, 1, 2)
+    with pytest.raises(ValueError, match="no capacity left"):
+        pl.simulate(tiny, pl.generate_jobs(3, sizes_gpus=(8,)), "with-spares-held-back", spare_nodes_per_cluster=2)
+
+
+def test_job_larger_than_any_cluster_is_refused(fleet):
+    too_big = [pl.Job(0, 0.0, 1024, 10, 1.0, 1000)]
+    with pytest.raises(ValueError, match="job 0 needs 1024 GPUs but the largest cluster offers 512"):
+        pl.simulate(fleet, too_big, "first-fit-anywhere")
+
+
+def test_bad_policy_and_arguments_name_the_valid_range(fleet, jobs):
+    with pytest.raises(ValueError, match="policy must be one of"):
+        pl.simulate(fleet, jobs, "random")
+    with pytest.raises(ValueError, match="n_jobs must be >= 1, got 0"):
+        pl.generate_jobs(0)
+    with pytest.raises(ValueError, match=r"comm_heavy_fraction must be in \[0, 1\]"):
+        pl.generate_jobs(5, comm_heavy_fraction=2)

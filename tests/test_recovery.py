@@ -1,0 +1,185 @@
+"""Lab 8: a supervised run survives real faults and ends with the weights it would have had."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from labkit import recovery as rc
+from labkit.interval import young_daly_interval_s
+
+TINY = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
+
+
+def test_fault_plan_naming_a_rank_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\], got 2"):
+        rc.supervise(tmp_path / "run", world_size=2, faults=[rc.Fault("kill", 2, 3)], **TINY)
+    assert not (tmp_path / "run").exists(), "refused before anything started"
+
+
+def test_fault_plan_naming_a_step_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"step must be in \[0, 11\], got 12"):
+        rc.supervise(tmp_path / "run", world_size=2, faults=[rc.Fault("hang", 0, 12)], **TINY)
+    with pytest.raises(ValueError, match="fault kind must be one of"):
+        rc.validate_faults([rc.Fault("meteor", 0, 1)], world_size=2, steps=10)
+    with pytest.raises(ValueError, match="two faults at step 3"):
+        rc.validate_faults([rc.Fault("kill", 0, 3), rc.Fault("nan", 1, 3)], world_size=2, steps=10)
+
+
+def test_random_fault_plan_is_deterministic_and_in_range():
+    plan = rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert plan == rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert sorted(f.kind for f in plan) == sorted(rc.FAULT_KINDS)
+    steps = [f.step for f in plan]
+    assert all(0 <= f.rank < 2 for f in plan) and steps == sorted(steps)
+    assert min(b - a for a, b in zip(steps, steps[1:])) >= 8
+    with pytest.raises(ValueError, match="steps must be >= 40"):
+        rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=20, seed=0)
+
+
+def test_restart_count_prefers_torchelastic(monkeypatch):
+    monkeypatch.setenv(rc.RESTART_VAR, "2")
+    monkeypatch.delenv(rc.TORCHELASTIC_RESTART_VAR, raising=False)
+    assert rc.restart_count() == 2
+    monkeypatch.setenv(rc.TORCHELASTIC_RESTART_VAR, "5")
+    assert rc.restart_count() == 5
+
+
+def _step(rank: int, step: int, compute_s: float) -> dict:
+    return {"event": "step", "t": time.time(), "step": step, "compute_s": compute_s}
+
+
+def test_straggler_is_the_rank_whose_own_compute_is_the_outlier():
+    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    for step in range(10):
+        watch.feed(0, _step(0, step, 0.05))
+        watch.feed(1, _step(1, step, 0.05 if step < 6 else 0.45))
+    assert watch.straggler is not None and watch.straggler[0] == 1
+
+
+def test_one_slow_step_is_noise_not_a_straggler():
+    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    for step in range(10):
+        watch.feed(0, _step(0, step, 0.05))
+        watch.feed(1, _step(1, step, 0.9 if step in (3, 6) else 0.05))
+    assert watch.straggler is None
+
+
+def test_goodput_falls_on_both_sides_of_the_young_daly_interval():
+    sweep = rc.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400, seed=1)
+    simulated = [row["simulated_goodput"] for row in sweep]
+    best = simulated.index(max(simulated))
+    assert sweep[best]["factor"] == 1
+    assert simulated[:best + 1] == sorted(simulated[:best + 1])
+    assert simulated[best:] == sorted(simulated[best:], reverse=True)
+    model = [row["model_goodput"] for row in sweep]
+    assert model.index(max(model)) == best
+
+
+def test_simulated_goodput_matches_the_first_order_model_near_the_optimum():
+    interval_s = young_daly_interval_s(2.0, 3 * 3600)
+    row = rc.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400,
+                            factors=(1,), seed=2)[0]
+    assert row["interval_s"] == pytest.approx(interval_s)
+    assert row["simulated_goodput"] == pytest.approx(row["model_goodput"], abs=0.002)
+
+
+def _alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> rc.RunReport:
+    return rc.supervise(tmp_path_factory.mktemp("lab08") / "clean", world_size=2, spares=0, **TINY)
+
+
+@pytest.mark.slow
+def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_run):
+    """Cold start for the reference, warm standby processes for the relaunch: both paths run."""
+    clean = clean_run
+    faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[rc.Fault("kill", 1, 5)],
+                           warm_standby=True, **TINY)
+    assert not clean.detections and len(clean.attempts) == 1
+    assert faulted.injected == faulted.recovered == ["kill-rank1-step5"]
+    detection = faulted.detections[0]
+    assert (detection.cause, detection.rank, detection.node) == ("exit", 1, "node1")
+    assert faulted.attempts[1].nodes == ("node0", "node2") and faulted.cordoned == ["node1"]
+    assert faulted.attempts[1].restored_step == 4
+    assert rc.bit_identical(rc.final_weights(clean.run_dir), rc.final_weights(tmp_path / "faulted"))
+    breakdown = rc.goodput(faulted)
+    assert breakdown.useful_steps == 12 and breakdown.redone_steps == 1
+    assert 0 < breakdown.goodput < 1 and breakdown.restart_s > 0
+    every_pid = [pid for report in (clean, faulted) for attempt in report.attempts for pid in attempt.pids]
+    assert _alive(every_pid) == [] and faulted.leftover_pids == []
+
+
+@pytest.mark.slow
+def test_hang_without_a_spare_fails_loudly_and_leaves_no_process(tmp_path):
+    with pytest.raises(rc.RecoveryError, match="no healthy spare is left") as info:
+        rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[rc.Fault("hang", 0, 6)],
+                     heartbeat_timeout_s=2.0, **TINY)
+    assert "hang" in str(info.value) and "node0" in str(info.value)
+    pids = []
+    for log in (tmp_path / "run").glob("attempt-*/rank*.jsonl"):
+        pids += [json.loads(line)["pid"] for line in log.read_text().splitlines() if '"ready"' in line]
+    assert len(pids) == 2 and _alive(pids) == []
+
+
+def test_supervisor_refuses_to_wipe_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a previous run"):
+        rc.supervise(tmp_path, world_size=2, **TINY)
+    assert (tmp_path / "precious.txt").exists()
+
+
+@pytest.mark.slow
+def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
+    kwargs = {**TINY, "run_dir": str(tmp_path / "run"), "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", "-m", "labkit.recovery", "--kwargs", json.dumps(kwargs)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").glob("attempt-*")) == ["attempt-000", "attempt-001"]
+    assert '"attempt": 1, "restored_step": 4' in done.stdout
+    assert rc.bit_identical(rc.final_weights(clean_run.run_dir), rc.final_weights(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
+    run = tmp_path / "run"
+    script = (
+        "from labkit import recovery as rc\n"
+        f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rc.Fault('hang', 0, 6)], "
+        f"heartbeat_timeout_s=600, **{TINY!r})\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        pids: list[int] = []
+        deadline = time.time() + 240
+        while len(pids) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+            pids = [json.loads(line)["pid"] for log in run.glob("attempt-000/rank*.jsonl")
+                    for line in log.read_text().splitlines() if '"ready"' in line]
+        assert len(_alive(pids)) == 2, "both ranks started"
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    deadline = time.time() + 10
+    while _alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == [], "ranks notice their supervisor is gone and exit"
