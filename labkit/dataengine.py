@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
@@ -48,6 +47,7 @@ from daft.functions import image_to_tensor, resize  # noqa: E402
 
 from labkit.atomic import atomic_file  # noqa: E402
 from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E402
+from labkit.devices import host_threads  # noqa: E402
 from labkit.loaders import ModelStep, StandInAccelerator  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
 
@@ -424,7 +424,7 @@ def measure_feed(
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     meter = StepMeter(device)
-    with _host_threads(1 if device.type == "cpu" else torch.get_num_threads()):
+    with host_threads(1 if device.type == "cpu" else None):
         for images, labels in meter.iterate(batches):
             with meter.computing(len(images)):
                 images = images.to(device, non_blocking=True)
@@ -433,17 +433,6 @@ def measure_feed(
                     images = augment_batch(images, generator)
                 accelerator.step(images, labels)
     return meter.summary()
-
-
-@contextmanager
-def _host_threads(threads: int) -> Iterator[None]:
-    """On the CPU the loader's threads already hold the cores; a second torch pool oversubscribes them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def drain(batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, float]:

@@ -8,16 +8,16 @@ GPU the accelerator is a real CNN; on a CPU-only machine it is the
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import torch
 
 from labkit import loaders
 from labkit.dataset import Dataset
+from labkit.devices import host_threads
 from labkit.meter import MeterSummary, StepMeter
 from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
@@ -62,25 +62,6 @@ def accelerator_for(profile: Profile, sizes: LadderSizes) -> loaders.StandInAcce
     if profile.on_gpu:
         return loaders.ModelStep(profile.device)
     return loaders.StandInAccelerator(sizes.stand_in_images_per_s)
-
-
-@contextmanager
-def host_threads(count: int | None) -> Iterator[None]:
-    """Limit the training loop's intra-op threads for the duration of a measurement.
-
-    With a stand-in accelerator the loop's own process only assembles batches.
-    Left at the default, its OpenMP threads spin against the DataLoader workers for
-    the same cores and a 1 ms batch gather can take 50 ms on a loaded 2-core box.
-    """
-    if count is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def measure(batches: Iterable[loaders.Batch], accelerator, *, device: str = "cpu", epochs: int = 1,
@@ -163,22 +144,22 @@ class Ladder:
         """The file path with 0, 1, ... DataLoader workers (0 = decode in the training loop)."""
         return {w: self.files(workers=w, rung=f"files, {w} workers") for w in workers}
 
-    def model_on_the_loaders_cpu(self, workers: tuple[int, ...], *, num_images: int,
-                                 width: int = 8) -> dict[int, MeterSummary]:
+    def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 32) -> dict[str, MeterSummary]:
         """The aside: a real model on the *same* CPU as the loader workers.
 
-        Busy fraction counts the time the model runs, and a model whose cores are
-        shared with decoding workers runs longer: busy fraction rises with more
-        workers while images/s does not.
+        Busy fraction counts the time the model runs. Decoding workers that share
+        the model's cores make each step longer, so the meter reads "almost always
+        busy" while the model trains slower than it does from RAM. Returns the
+        summaries for ``"in RAM"`` and ``"files"`` (``workers`` DataLoader workers).
         """
         model = loaders.ModelStep("cpu", width=width)
-        out = {}
-        for w in workers:
-            loader = loaders.file_loader(self.paths[:num_images], self.labels[:num_images],
-                                         batch_size=self.sizes.batch_size, image_px=self.sizes.image_px,
-                                         num_workers=w)
-            out[w] = measure(loader, model)
-        return out
+        paths, labels = self.paths[:num_images], self.labels[:num_images]
+        pixels = torch.from_numpy(loaders.decode_all(loaders._ReadFile(paths), len(paths), self.sizes.image_px,
+                                                     desc="decoding the aside's slice"))
+        in_ram = loaders.InRamBatches(pixels, torch.tensor(labels), batch_size=self.sizes.batch_size)
+        files = loaders.file_loader(paths, labels, batch_size=self.sizes.batch_size,
+                                    image_px=self.sizes.image_px, num_workers=workers)
+        return {"in RAM": measure(in_ram, model), "files": measure(files, model)}
 
     def table(self) -> list[dict[str, object]]:
         return [{"rung": rung, **summary.as_row()} for rung, summary in self.results.items()]

@@ -36,7 +36,12 @@ class LabRun:
 
 
 def check_out_dir(out: Path) -> Path:
-    """Fail early, naming the folder, if results could not be written there."""
+    """Fail early, naming the folder, if results could not be written there.
+
+    Returns the absolute path: each notebook's kernel runs in ``notebooks/``, so a
+    relative path would point somewhere else from inside a lab.
+    """
+    out = out.resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"

@@ -50,3 +50,10 @@ def test_record_writes_only_when_collected(tmp_path, monkeypatch):
     assert results.read(target) == [results.Figure(2, "speedup", 1.5, "x", "2-7x (Eventual)")]
     with pytest.raises(ValueError, match="lab must be in 1..8"):
         results.record(9, "x", 1.0)
+
+
+def test_out_dir_is_made_absolute_because_kernels_run_in_notebooks(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    assert check_out_dir(Path("runs/x")) == tmp_path / "runs" / "x"
