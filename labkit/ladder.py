@@ -144,7 +144,7 @@ class Ladder:
         """The file path with 0, 1, ... DataLoader workers (0 = decode in the training loop)."""
         return {w: self.files(workers=w, rung=f"files, {w} workers") for w in workers}
 
-    def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 32) -> dict[str, MeterSummary]:
+    def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 24) -> dict[str, MeterSummary]:
         """The aside: a real model on the *same* CPU as the loader workers.
 
         Busy fraction counts the time the model runs. Decoding workers that share
