@@ -35,7 +35,7 @@ LABS = (
     Lab(5, "gradient_sync", "When do more devices make training slower, and how does accumulation fix it?",
         ("collectives", "gradsync", "parallelism"), "Samyam Rajbhandari"),
     Lab(6, "quantized_collectives", "What do quantized collectives (ZeRO++) trade for bandwidth?",
-        ("quantcomm",), "Guanhua Wang (ZeRO++)"),
+        ("quantcomm", "zeropp"), "Guanhua Wang (ZeRO++)"),
     Lab(7, "checkpoints_and_fusion", "Do checkpoints stop the world, and do kernels waste memory?",
         ("checkpoint", "interval", "fused_loss"), "Animesh Singh (LinkedIn)"),
     Lab(8, "recovery_and_placement", "Does the run finish: recovery from failures and cluster placement?",
