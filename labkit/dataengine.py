@@ -11,9 +11,13 @@ diagnosis upstream, to how the dataset is *represented*:
 * **tensor cache** -- decoded, resized uint8 tensors in Parquet, written by the engine:
   Lab 1's transformed cache, paid for once instead of every epoch.
 
-Daft does the I/O, decoding and resizing in native threads; torch only sees uint8
-batches. Daft has no per-sample random augmentation, so :func:`augment_batch` does it
-on the whole batch in torch, on the accelerator where there is one.
+Daft does the I/O and decoding in native threads. The resize is torch's antialiased
+bilinear kernel inside a Daft batch function: measured per image on this course's
+JPEGs, Daft's own ``resize`` (the ``image`` crate's triangle filter) cost about half as
+much as the decode and 3-5x torch's uint8 kernel (:func:`stage_costs` measures it on
+your machine). ``resizer="daft"`` keeps Daft's resize for comparison. Daft has no
+per-sample random augmentation, so :func:`augment_batch` does it on the whole batch
+in torch, on the accelerator where there is one.
 
 The runner (native threads or a Ray cluster) can be set once per process, so
 :func:`compare_runners` runs the same pipeline in one subprocess per runner
@@ -23,6 +27,7 @@ The runner (native threads or a Ray cluster) can be set once per process, so
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import io
 import itertools
@@ -42,7 +47,8 @@ import daft  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
-from daft import col  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from daft import DataType, col  # noqa: E402
 from daft.functions import image_to_tensor, resize  # noqa: E402
 
 from labkit.atomic import atomic_file  # noqa: E402
@@ -91,6 +97,7 @@ SIZES = {
 }
 BENCHMARK_IMAGES = 10_000
 RUNNERS = ("native", "ray")
+RESIZERS = ("torch", "daft")
 SKIP_RAY_ENV = "LABKIT_SKIP_RAY"
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
@@ -101,18 +108,87 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+@functools.lru_cache(maxsize=None)
+def torch_resize(image_px: int) -> daft.Expression:
+    """A Daft batch function: HWC uint8 tensors of any size -> ``image_px`` square, in torch.
+
+    Antialiased bilinear, as PIL's ``BILINEAR`` downscale is. It runs in Daft's
+    threads (``use_process=False``): torch releases the GIL inside the kernel.
+    """
+    _check_positive(image_px=image_px)
+    shape = (image_px, image_px, 3)
+
+    @daft.func.batch(return_dtype=DataType.tensor(DataType.uint8(), shape=shape), use_process=False)
+    def resize_in_torch(images: daft.Series) -> np.ndarray:
+        out = np.empty((len(images), *shape), dtype=np.uint8)
+        with torch.inference_mode():
+            for row, pixels in enumerate(images.to_pylist()):
+                # Daft hands out read-only arrays; torch wants writable memory.
+                chw = torch.from_numpy(np.require(pixels, requirements="W")).permute(2, 0, 1)[None]
+                small = F.interpolate(chw, size=shape[:2], mode="bilinear", antialias=True)
+                out[row] = small[0].permute(1, 2, 0).numpy()
+        return out
+
+    return resize_in_torch
+
+
+def resized(image: daft.Expression, image_px: int, resizer: str = "torch") -> daft.Expression:
+    """A decoded image column resized to ``image_px`` square, as a uint8 HWC tensor column."""
+    if resizer not in RESIZERS:
+        raise ValueError(f"resizer must be one of {RESIZERS}, got {resizer!r}")
+    _check_positive(image_px=image_px)
+    if resizer == "daft":
+        return image_to_tensor(resize(image, image_px, image_px))
+    return torch_resize(image_px)(image_to_tensor(image))
+
+
 def decode_pipeline(
-    frame: daft.DataFrame, image_px: int, *, bytes_column: str | None = None
+    frame: daft.DataFrame, image_px: int, *, bytes_column: str | None = None, resizer: str = "torch",
 ) -> daft.DataFrame:
-    """``image`` (uint8 HWC tensor) and ``label`` columns, decoded and resized by Daft.
+    """``image`` (uint8 HWC tensor) and ``label`` columns: Daft downloads and decodes, then resizes.
 
     Without ``bytes_column`` the bytes are downloaded from ``path`` (local paths and
     ``s3://``/``gs://`` URLs alike); with it they come from a packed Parquet column.
     """
-    _check_positive(image_px=image_px)
     source = col("path").download() if bytes_column is None else col(bytes_column)
-    image = image_to_tensor(resize(source.decode_image(mode="RGB"), image_px, image_px))
+    image = resized(source.decode_image(mode="RGB"), image_px, resizer)
     return frame.select(image.alias("image"), col("label"))
+
+
+PIPELINE_CUTS = ("download", "decode", "resize: daft", "resize: torch")
+
+
+def _cut_after(stage: str, image_px: int) -> daft.Expression:
+    if stage not in PIPELINE_CUTS:
+        raise ValueError(f"stage must be one of {PIPELINE_CUTS}, got {stage!r}")
+    data = col("path").download()
+    if stage == "download":
+        return data
+    image = data.decode_image(mode="RGB")
+    if stage == "decode":
+        return image
+    return resized(image, image_px, stage.removeprefix("resize: "))
+
+
+def stage_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 2) -> dict[str, float]:
+    """CPU milliseconds per image of the pipeline cut after each stage (best of ``repeats``).
+
+    A stage's cost is the difference between two cuts: that is how the slow stage is
+    found, instead of guessed. CPU time of the whole process (every Daft thread), not
+    wall time, because a busy machine moves it less.
+    """
+    _check_positive(image_px=image_px, repeats=repeats)
+    images = frame.count_rows()
+    if images == 0:
+        raise ValueError("frame must select at least one image, got an empty selection")
+    best = dict.fromkeys(PIPELINE_CUTS, math.inf)
+    for _ in range(repeats):
+        for stage in PIPELINE_CUTS:
+            start = time.process_time()
+            for _ in frame.select(_cut_after(stage, image_px).alias("out")).to_arrow_iter():
+                pass
+            best[stage] = min(best[stage], time.process_time() - start)
+    return {stage: 1e3 * seconds / images for stage, seconds in best.items()}
 
 
 def torch_batches(
@@ -212,10 +288,10 @@ def write_tensor_cache(frame: daft.DataFrame, target: str | Path, image_px: int)
 
 
 def file_batches(
-    frame: daft.DataFrame, image_px: int, batch_size: int
+    frame: daft.DataFrame, image_px: int, batch_size: int, *, resizer: str = "torch"
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Decode-per-step from the files the catalog points at."""
-    return torch_batches(decode_pipeline(frame, image_px), batch_size)
+    return torch_batches(decode_pipeline(frame, image_px, resizer=resizer), batch_size)
 
 
 def packed_batches(

@@ -3,6 +3,7 @@
 import math
 import time
 
+import daft
 import pytest
 import torch
 
@@ -186,3 +187,35 @@ def test_a_file_lost_after_the_check_is_named_by_the_pipeline(tmp_path):
     frame = daft.from_pydict({"path": [lost], "label": [0]})
     with pytest.raises(FileNotFoundError, match="lost.jpg"):
         list(dataengine.file_batches(frame, IMAGE_PX, 4))
+
+
+def test_both_resizers_give_pil_bilinear_pixels(selected):
+    """Torch's antialiased bilinear and Daft's triangle filter both downscale as PIL's BILINEAR does."""
+    import numpy as np
+    from PIL import Image
+
+    paths = selected.select("path").limit(32).to_pydict()["path"]
+    expected = torch.stack([
+        torch.from_numpy(np.array(Image.open(path).convert("RGB").resize((IMAGE_PX, IMAGE_PX), Image.BILINEAR)))
+        for path in paths
+    ]).permute(0, 3, 1, 2).float()
+    for resizer in dataengine.RESIZERS:
+        images, _ = next(dataengine.file_batches(selected.limit(32), IMAGE_PX, 32, resizer=resizer))
+        difference = (images.float() - expected).abs()
+        assert difference.mean() < 1.0 and difference.max() <= 8, resizer
+
+
+def test_resizer_and_stage_names_are_checked(selected):
+    with pytest.raises(ValueError, match="resizer must be one of"):
+        dataengine.decode_pipeline(selected, IMAGE_PX, resizer="bicubic")
+    with pytest.raises(ValueError, match="image_px must be >= 1"):
+        dataengine.torch_resize(0)
+    with pytest.raises(ValueError, match="empty selection"):
+        dataengine.stage_costs(selected.where(daft.col("label") < 0), IMAGE_PX)
+
+
+def test_stage_costs_charge_every_cut_and_decode_costs_more_than_download(selected):
+    costs = dataengine.stage_costs(selected, IMAGE_PX, repeats=1)
+    assert tuple(costs) == dataengine.PIPELINE_CUTS
+    assert all(ms > 0 for ms in costs.values())
+    assert costs["decode"] > costs["download"]
