@@ -64,36 +64,50 @@ def clear_stale_locks(extensions_dir: Path | None = None) -> list[Path]:
     return removed
 
 
-def op_is_built(name: str) -> bool:
+def op_is_built(name: str, accelerator: str | None = None) -> bool:
     """Whether ``name``'s shared object is already in this environment's cache."""
-    builder = _builder(name)
+    builder = _builder(name, accelerator)
     if builder is None:
         return True
     root = use_environment_extensions_dir()
     return any(root.glob(f"**/{builder.NAME}.so"))
 
 
-def _builder(name: str):  # -> deepspeed OpBuilder | None
+def _builder(name: str, accelerator: str | None = None):  # -> deepspeed OpBuilder | None
+    if accelerator not in (None, "cpu"):
+        raise ValueError(f"accelerator must be None (DeepSpeed's choice) or 'cpu', got {accelerator!r}")
+    if accelerator == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        return CPU_Accelerator().create_op_builder(name)
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().create_op_builder(name)
 
 
-def ensure_built(names: tuple[str, ...] = (COMM_OP,), *, verbose: bool = True) -> dict[str, float]:
+def accelerator_for(backend: str) -> str | None:
+    """The accelerator whose ops ranks of ``backend`` load: gloo ranks are CPU ranks."""
+    return "cpu" if backend == "gloo" else None
+
+
+def ensure_built(
+    names: tuple[str, ...] = (COMM_OP,), *, accelerator: str | None = None, verbose: bool = True
+) -> dict[str, float]:
     """Build (or load) each op in this process; returns seconds spent per op.
 
-    Ops the current accelerator does not have (the CPU comm op on a GPU box) are
-    skipped. The first build's cost is printed, not hidden.
+    ``accelerator="cpu"`` builds the ops CPU ranks load even on a GPU machine, where
+    DeepSpeed's own choice would be CUDA's. Ops the accelerator does not have (the
+    CPU comm op under CUDA) are skipped. The first build's cost is printed, not hidden.
     """
     use_environment_extensions_dir()
     for lock in clear_stale_locks():
         print(f"removed a stale DeepSpeed build lock left by a killed build: {lock}")
     seconds = {}
     for name in names:
-        builder = _builder(name)
+        builder = _builder(name, accelerator)
         if builder is None:
             continue
-        cached = op_is_built(name)
+        cached = op_is_built(name, accelerator)
         if verbose and not cached:
             print(f"building DeepSpeed op {builder.NAME} (once per environment, 1-4 min)...", flush=True)
         start = time.perf_counter()

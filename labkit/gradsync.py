@@ -329,7 +329,7 @@ def run_experiment(
     if deepspeed_stages:
         for stage in deepspeed_stages:
             deepspeed_config(stage, deepspeed_accumulation, chosen["micro_batch"])
-        dsops.ensure_built()
+        dsops.ensure_built(accelerator=dsops.accelerator_for(profile().backend))
     return launch(
         ddp_rank, world_size, backend=profile().backend, timeout_s=timeout_s,
         configs=configs, deepspeed_stages=tuple(deepspeed_stages),

@@ -104,6 +104,9 @@ def resolve(ref: str) -> Callable[..., Any]:
 def _setup_rank_process(backend: str) -> None:
     os.environ["LABKIT_BACKEND"] = backend
     if backend == "gloo":
+        # A gloo rank is a CPU rank. On a GPU machine DeepSpeed would otherwise pick the
+        # CUDA accelerator and put every rank's engine on a GPU (cuda:1 on a one-GPU box).
+        os.environ["DS_ACCELERATOR"] = "cpu"
         import torch
 
         torch.set_num_threads(1)

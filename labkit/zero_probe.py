@@ -27,7 +27,7 @@ import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from labkit import zero
 
@@ -421,12 +421,15 @@ def measure(
     size: ProbeSize | None = None,
     dtype: str | None = None,
     ranks: int | None = None,
+    backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> list[RankMeasurement]:
     """Run every config on real ranks in ONE launch; measurements of every rank, config-major.
 
-    Defaults come from the active profile. Bad input is refused here, before any
-    rank starts; the DeepSpeed ops are built (once per environment) in this process.
+    Defaults come from the active profile. ``backend="nccl"`` puts the ranks on GPUs
+    (one per rank): with one GPU, ``ranks=1`` is how offload gets timed across a real
+    PCIe bus. Bad input is refused here, before any rank starts; the DeepSpeed ops
+    are built (once per environment) in this process.
     """
     from labkit import dsops, profile
     from labkit.launcher import launch
@@ -436,8 +439,11 @@ def measure(
     size = size or prof.pick(SIZES)
     dtype = dtype or default_dtype()
     ranks = prof.ranks if ranks is None else ranks
+    backend = backend or prof.backend
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU ranks) or 'nccl' (GPU ranks), got {backend!r}")
     if not configs:
         raise ValueError("configs must name at least one ProbeConfig")
     for config in configs:
@@ -459,14 +465,40 @@ def measure(
             raise ValueError(f"NVMe offload requested but unavailable: {reason}")
         ops.append(dsops.ASYNC_IO_OP)
         nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=os.environ.get("LABKIT_NVME_DIR"))
-    dsops.ensure_built(tuple(ops))
+    dsops.ensure_built(tuple(ops), accelerator=dsops.accelerator_for(backend))
     try:
-        per_rank = launch(probe_rank, ranks, backend=prof.backend, timeout_s=timeout_s,
+        per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,
                           configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
     return [rank_results[i] for i in range(len(configs)) for rank_results in per_rank]
+
+
+OFFLOAD_TIMING_CONFIGS = BASE_CONFIGS[2:] + CPU_OFFLOAD_CONFIGS
+
+
+def slowest_best_step_ms(measurements: Iterable[RankMeasurement], name: str) -> float:
+    """A configuration's fastest step on its slowest rank: a step ends when the last rank does."""
+    steps = [m.best_step_ms for m in measurements if m.config.name == name]
+    if not steps:
+        raise ValueError(f"no measurement of configuration {name!r}")
+    return max(steps)
+
+
+def offload_slowdowns(measurements: Sequence[RankMeasurement]) -> dict[str, float]:
+    """Each offloaded configuration's step time over the same stage without offload.
+
+    Above 1 means offload made the step slower. Only meaningful where the ranks
+    are GPUs: on CPU ranks host and "accelerator" are one RAM and no bus is crossed.
+    """
+    offloaded = dict.fromkeys(m.config.name for m in measurements if m.config.offloaded)
+    by_name = {m.config.name: m.config for m in measurements}
+    return {
+        name: slowest_best_step_ms(measurements, name)
+        / slowest_best_step_ms(measurements, f"stage {by_name[name].stage}")
+        for name in offloaded
+    }
 
 
 def predicted(measurement: RankMeasurement) -> zero.ModelStateBytes:

@@ -621,7 +621,7 @@ def run_deepspeed(world_size: int = 4, ranks_per_node: int = 2, *, timeout_s: fl
         raise ValueError(f"need at least 2 nodes, got world_size={world_size}, ranks_per_node={ranks_per_node}")
     prof = profile()
     on_gpus = prof.rank_device == "cuda"
-    dsops.ensure_built()
+    dsops.ensure_built(accelerator=dsops.accelerator_for(prof.backend))
     sizes = prof.pick(DEEPSPEED_SIZES)
     results = launch(deepspeed_zero3_rank, world_size, backend=prof.backend, timeout_s=timeout_s,
                      dims=sizes["dims"], steps=sizes["steps"], ranks_per_node=ranks_per_node,

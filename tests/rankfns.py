@@ -35,3 +35,9 @@ def deepspeed_rank() -> str:
     tensor = torch.ones(4)
     deepspeed.comm.all_reduce(tensor)
     return f"{dist.get_world_size()}:{tensor.sum().item()}"
+
+
+def deepspeed_accelerator_rank() -> tuple[str, str]:
+    from deepspeed.accelerator import get_accelerator
+
+    return os.environ.get("DS_ACCELERATOR", ""), get_accelerator().device_name()

@@ -130,3 +130,10 @@ def test_extensions_dir_is_per_environment(monkeypatch):
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     assert str(dsops.use_environment_extensions_dir()).startswith(sys.prefix)
+
+
+def test_gloo_ranks_build_cpu_ops_and_other_accelerators_are_refused():
+    assert dsops.accelerator_for("gloo") == "cpu" and dsops.accelerator_for("nccl") is None
+    assert type(dsops._builder(dsops.CPU_ADAM_OP, "cpu")).__module__.startswith("deepspeed.ops.op_builder.cpu")
+    with pytest.raises(ValueError, match="accelerator must be None .* or 'cpu', got 'tpu'"):
+        dsops.ensure_built((dsops.CPU_ADAM_OP,), accelerator="tpu")

@@ -45,3 +45,9 @@ def test_bad_launch_arguments_name_the_argument(bad):
     world_size = bad.pop("world_size")
     with pytest.raises(ValueError, match="world_size|timeout_s|backend"):
         launch(rankfns.allreduce_rank, world_size, value=1.0, **bad)
+
+
+def test_gloo_ranks_get_deepspeeds_cpu_accelerator_even_when_told_otherwise():
+    """On a GPU machine DeepSpeed would pick CUDA; a gloo rank is a CPU rank whatever the env says."""
+    results = launch(rankfns.deepspeed_accelerator_rank, 2, env={"DS_ACCELERATOR": "cuda"}, timeout_s=120)
+    assert results == [("cpu", "cpu"), ("cpu", "cpu")]

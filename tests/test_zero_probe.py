@@ -38,6 +38,24 @@ def test_bad_stage_and_ranks_are_refused_before_any_rank_starts(no_ranks):
         zp.measure(size=zp.ProbeSize(0, 32, 4, 1))
     with pytest.raises(ValueError, match="dtype must be 'bf16' or 'fp16'"):
         zp.measure(size=TINY, dtype="int8")
+    with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl'"):
+        zp.measure(size=TINY, backend="mpi")
+
+
+def _timed(config, rank, steps):
+    empty = dict.fromkeys(zp.ROLES, 0)
+    return zp.RankMeasurement(config=config, rank=rank, dp_degree=2, num_params=1, dtype="bf16",
+                              accelerator=empty, host=empty, optimizer_class="", step_ms=steps)
+
+
+def test_offload_slowdown_is_the_slowest_ranks_best_step_over_the_same_stage():
+    stage2, offloaded = zp.BASE_CONFIGS[2], zp.CPU_OFFLOAD_CONFIGS[0]
+    measurements = [_timed(stage2, 0, [10.0, 9.0]), _timed(stage2, 1, [12.0, 11.0]),
+                    _timed(offloaded, 0, [30.0, 33.0]), _timed(offloaded, 1, [22.0, 40.0])]
+    assert zp.slowest_best_step_ms(measurements, "stage 2") == 11.0
+    assert zp.offload_slowdowns(measurements) == {offloaded.name: pytest.approx(30.0 / 11.0)}
+    with pytest.raises(ValueError, match="no measurement of configuration 'stage 2'"):
+        zp.offload_slowdowns(measurements[2:])
 
 
 def test_nvme_offload_without_its_op_is_refused_with_the_reason(no_ranks):
