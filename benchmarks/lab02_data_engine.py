@@ -24,7 +24,7 @@ os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 import daft  # noqa: E402
 
 from labkit import catalog, dataengine, dataset, loaders  # noqa: E402
-from labkit.devices import describe_machine, load_average  # noqa: E402
+from labkit.devices import describe_machine, load_average, loader_workers  # noqa: E402
 from labkit.paths import data_dir  # noqa: E402
 
 TARGETS = {"daft pipeline": 1.3, "tensor cache": 3.0}
@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=dataengine.BENCHMARK_IMAGES)
     parser.add_argument("--image-px", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--cores", type=int, default=loader_workers())
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     if args.images < 10_000:

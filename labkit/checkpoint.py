@@ -315,17 +315,20 @@ class _StagingArea:
 
     def snapshot(self, state: dict) -> dict:
         index = 0
-        pin = torch.cuda.is_available()
+        # Only GPU tensors need pinned buffers and a synchronize; asking CUDA on a CPU
+        # rank of a GPU machine would start a CUDA context there for nothing.
+        from_gpu = False
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal index
+            nonlocal index, from_gpu
             src = t.detach()
+            from_gpu = from_gpu or src.is_cuda
             if index < len(self.buffers):
                 buf = self.buffers[index]
                 if buf.shape != src.shape or buf.dtype != src.dtype:
-                    buf = self.buffers[index] = self._alloc(src, pin)
+                    buf = self.buffers[index] = self._alloc(src)
             else:
-                buf = self._alloc(src, pin)
+                buf = self._alloc(src)
                 self.buffers.append(buf)
             index += 1
             buf.copy_(src, non_blocking=src.is_cuda)
@@ -338,13 +341,13 @@ class _StagingArea:
         finally:
             torch.set_num_threads(threads)
         del self.buffers[index:]
-        if pin:
+        if from_gpu:
             torch.cuda.synchronize()
         return staged
 
     @staticmethod
-    def _alloc(src: torch.Tensor, pin: bool) -> torch.Tensor:
-        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and src.is_cuda)
+    def _alloc(src: torch.Tensor) -> torch.Tensor:
+        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
 
     @property
     def bytes(self) -> int:
@@ -460,7 +463,7 @@ def capture_training_state(
         "numpy": _numpy_rng_state(),
         "torch_cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a CPU rank on a GPU machine has no CUDA RNG in use
         rng["torch_cuda"] = torch.cuda.get_rng_state_all()
     return {
         "model": model.state_dict(),

@@ -441,7 +441,7 @@ def benchmark_rank(
             for _ in range(repeats):
                 run()
             synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64)
+            elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             actual_bytes = max(size // 4 // world_size, 1) * world_size * 4
             algbw, busbw = bandwidths_gbytes_per_s(op, actual_bytes, world_size, elapsed.item())
@@ -466,7 +466,7 @@ def run_benchmark(world_size: int = 2, **kwargs: Any) -> list[dict[str, Any]]:
 
     if world_size < 2:
         raise ValueError(f"world_size must be >= 2 for a collective benchmark, got {world_size}")
-    return launch(benchmark_rank, world_size, backend=profile().backend, **kwargs)[0]
+    return launch(benchmark_rank, world_size, backend=profile().backend_for(world_size), **kwargs)[0]
 
 
 def count_collectives_rank(
@@ -538,7 +538,7 @@ def run_count_and_benchmark(world_size: int = 2, numel_per_rank: int = 3000, **k
         raise ValueError(f"world_size must be >= 2 to count collectives between ranks, got {world_size}")
     if numel_per_rank < 1:
         raise ValueError(f"numel_per_rank must be >= 1, got {numel_per_rank}")
-    return launch(count_and_benchmark_rank, world_size, backend=profile().backend, numel_per_rank=numel_per_rank, **kwargs)
+    return launch(count_and_benchmark_rank, world_size, backend=profile().backend_for(world_size), numel_per_rank=numel_per_rank, **kwargs)
 
 
 def expected_message_bytes(op: str, numel_per_rank: int, world_size: int) -> int:

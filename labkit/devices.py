@@ -109,6 +109,18 @@ def describe_machine() -> dict[str, object]:
     return info
 
 
+def loader_workers(cap: int = 16) -> int:
+    """Loader processes to start: one per core this process may run on, at most ``cap``.
+
+    ``os.cpu_count()`` counts the machine, not the cores a container or taskset
+    grants; on a large GPU node it would also start a hundred or more workers, each
+    with its own copy of the loader's state.
+    """
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    return max(1, min(cap, len(os.sched_getaffinity(0))))
+
+
 @contextmanager
 def host_threads(count: int | None) -> Iterator[None]:
     """Limit this process's intra-op threads for the duration of a measurement.

@@ -21,6 +21,7 @@ ENV_VAR = "TORCH_EXTENSIONS_DIR"
 COMM_OP = "ShareMemCommBuilder"
 CPU_ADAM_OP = "CPUAdamBuilder"
 ASYNC_IO_OP = "AsyncIOBuilder"
+QUANTIZER_OP = "QuantizerBuilder"  # ZeRO++ qwZ/qgZ kernels, CUDA only
 
 
 def use_environment_extensions_dir() -> Path:

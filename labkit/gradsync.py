@@ -29,7 +29,9 @@ from labkit.collectives import LINKS, CommCounter, register_counting_hook, ring_
 SIZES = {
     "ci": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 4, "warmup_steps": 1},
     "gpu": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 4, "warmup_steps": 1},
-    "multi-gpu": {"hidden": 2048, "layers": 8, "micro_batch": 4, "accumulation": 16, "optimizer_steps": 5, "warmup_steps": 2},
+    # 17 MB of gradients: at the emulated 1 Gbps link one ring all-reduce takes ~0.25 s on
+    # 8 ranks, and syncing every micro-step makes ~85 of them, well inside the launch timeout.
+    "multi-gpu": {"hidden": 1024, "layers": 4, "micro_batch": 8, "accumulation": 16, "optimizer_steps": 4, "warmup_steps": 1},
 }
 
 MODES = ("sync_every_micro_step", "delayed_sync")
@@ -204,7 +206,7 @@ def ddp_rank(
             lambda i: step_fn(ddp, optimizer, micro_batches(rank, i, accumulation, micro_batch, hidden, device)),
             warmup_steps, optimizer_steps, device, on_measure_start=counter.reset,
         )
-        slowest = torch.tensor([step_s], dtype=torch.float64)
+        slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         step_s = slowest.item()
         counts = counter.counts["all_reduce"]
@@ -329,9 +331,9 @@ def run_experiment(
     if deepspeed_stages:
         for stage in deepspeed_stages:
             deepspeed_config(stage, deepspeed_accumulation, chosen["micro_batch"])
-        dsops.ensure_built(accelerator=dsops.accelerator_for(profile().backend))
+        dsops.ensure_built(accelerator=dsops.accelerator_for(profile().backend_for(world_size)))
     return launch(
-        ddp_rank, world_size, backend=profile().backend, timeout_s=timeout_s,
+        ddp_rank, world_size, backend=profile().backend_for(world_size), timeout_s=timeout_s,
         configs=configs, deepspeed_stages=tuple(deepspeed_stages),
         deepspeed_accumulation=deepspeed_accumulation, **chosen,
     )[0]

@@ -34,9 +34,10 @@ class LadderSizes:
     remote_latency_ms: float
     remote_images: int
     fast_epochs: int
+    model_width: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs"):
+        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs", "model_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.workers < 0:
@@ -48,10 +49,15 @@ class LadderSizes:
 SIZES = {
     "ci": LadderSizes(num_images=1600, image_px=32, batch_size=128, workers=2,
                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
+    # On a GPU the model is real. At width 32 a step is a few kernel launches (~0.5 ms), less
+    # than the host's batch preparation, so even data in RAM could not keep it busy; width 256
+    # makes a step of several ms, as a training step is, and the input path the question.
     "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
-                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3,
+                       model_width=256),
     "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
-                             stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+                             stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3,
+                             model_width=256),
 }
 
 RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WARN}
@@ -60,7 +66,7 @@ RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WAR
 def accelerator_for(profile: Profile, sizes: LadderSizes) -> loaders.StandInAccelerator | loaders.ModelStep:
     """A real model on a GPU; the explicit stand-in emulation on a CPU-only machine."""
     if profile.on_gpu:
-        return loaders.ModelStep(profile.device)
+        return loaders.ModelStep(profile.device, width=sizes.model_width)
     return loaders.StandInAccelerator(sizes.stand_in_images_per_s)
 
 

@@ -102,7 +102,8 @@ def full_mlp(hidden: int, ffn: int, seed: int = 0) -> nn.Sequential:
 TP_SIZES = {
     "ci": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
     "gpu": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
-    "multi-gpu": {"hidden": 2048, "ffn": 8192, "tokens": 1024, "layers": 4},
+    # ffn splits evenly across any node of 2-8 GPUs (8400 = 840 x 10, 840 = lcm(1..8)).
+    "multi-gpu": {"hidden": 2048, "ffn": 8400, "tokens": 1024, "layers": 4},
 }
 
 
@@ -156,7 +157,7 @@ def run_tensor_parallel(world_size: int = 2, sizes: dict[str, int] | None = None
     chosen = dict(sizes or profile().pick(TP_SIZES))
     if chosen["ffn"] % world_size:
         raise ValueError(f"ffn ({chosen['ffn']}) must be divisible by world_size ({world_size})")
-    return launch(tensor_parallel_rank, world_size, backend=profile().backend, **chosen)[0]
+    return launch(tensor_parallel_rank, world_size, backend=profile().backend_for(world_size), **chosen)[0]
 
 
 def tp_all_reduces_per_layer(transformer: bool = True) -> int:

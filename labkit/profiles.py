@@ -50,6 +50,16 @@ class Profile:
             )
         return table[self.name]
 
+    def backend_for(self, world_size: int) -> str:
+        """NCCL when every rank gets a GPU of its own, else gloo.
+
+        NCCL ranks call ``cuda.set_device(local_rank)``, so a 4-rank lab on a 2-GPU
+        node would fail on rank 2; there its ranks run on the CPU instead.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        return self.backend if world_size <= self.ranks else "gloo"
+
     def describe(self) -> str:
         where = "the CPU" if self.device == "cpu" else "one GPU"
         ranks_on = "CPU processes" if self.rank_device == "cpu" else "GPUs"

@@ -530,7 +530,7 @@ def run_experiment(
             raise ValueError(f"{key} must be >= 1, got {sizes[key]}")
     kwargs = {key: sizes[key] for key in ("dims", "timed_steps", "train_steps", "bandwidths_gbps", "comm_dtype")}
     kwargs["batch_size"] = sizes["batch"]
-    return launch(experiment_rank, world_size, backend=profile().backend, timeout_s=timeout_s,
+    return launch(experiment_rank, world_size, backend=profile().backend_for(world_size), timeout_s=timeout_s,
                   ranks_per_node=ranks_per_node,
                   weight_bits=weight_bits, grad_bits=grad_bits, block_size=block_size, **kwargs)
 
@@ -576,7 +576,9 @@ def deepspeed_zero3_rank(
             losses = []
             for step in range(steps):
                 x, y = batch(dims, teacher, batch_size, seed=step * 1000 + dist.get_rank())
-                loss = F.mse_loss(engine(x), y)
+                # On GPUs the engine's weights are bf16 and DeepSpeed does not cast inputs.
+                x = x.to(torch.bfloat16) if device.type == "cuda" else x
+                loss = F.mse_loss(engine(x).float(), y)
                 engine.backward(loss)
                 engine.step()
                 losses.append(_mean_over_ranks(loss.item()))
@@ -620,10 +622,13 @@ def run_deepspeed(world_size: int = 4, ranks_per_node: int = 2, *, timeout_s: fl
     if layout.nodes < 2:
         raise ValueError(f"need at least 2 nodes, got world_size={world_size}, ranks_per_node={ranks_per_node}")
     prof = profile()
-    on_gpus = prof.rank_device == "cuda"
-    dsops.ensure_built(accelerator=dsops.accelerator_for(prof.backend))
+    backend = prof.backend_for(world_size)
+    on_gpus = backend == "nccl"
+    # Built here, once, not by every rank inside the launch timeout.
+    dsops.ensure_built((dsops.COMM_OP, dsops.QUANTIZER_OP) if on_gpus else (dsops.COMM_OP,),
+                       accelerator=dsops.accelerator_for(backend))
     sizes = prof.pick(DEEPSPEED_SIZES)
-    results = launch(deepspeed_zero3_rank, world_size, backend=prof.backend, timeout_s=timeout_s,
+    results = launch(deepspeed_zero3_rank, world_size, backend=backend, timeout_s=timeout_s,
                      dims=sizes["dims"], steps=sizes["steps"], ranks_per_node=ranks_per_node,
                      configs=deepspeed_configs(on_gpus, ranks_per_node))
     return results[0]

@@ -137,3 +137,21 @@ def test_gloo_ranks_build_cpu_ops_and_other_accelerators_are_refused():
     assert type(dsops._builder(dsops.CPU_ADAM_OP, "cpu")).__module__.startswith("deepspeed.ops.op_builder.cpu")
     with pytest.raises(ValueError, match="accelerator must be None .* or 'cpu', got 'tpu'"):
         dsops.ensure_built((dsops.CPU_ADAM_OP,), accelerator="tpu")
+
+
+def test_ranks_beyond_the_gpu_count_run_on_the_cpu():
+    two_gpus = profiles.Profile("multi-gpu", device="cuda", ranks=2, rank_device="cuda", backend="nccl")
+    assert two_gpus.backend_for(2) == "nccl" and two_gpus.backend_for(4) == "gloo"
+    assert profiles.profile("ci").backend_for(2) == "gloo"
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        two_gpus.backend_for(0)
+
+
+def test_loader_workers_follow_the_granted_cores_and_the_cap():
+    from labkit.devices import loader_workers
+
+    granted = len(os.sched_getaffinity(0))
+    assert loader_workers() == min(16, granted)
+    assert loader_workers(cap=1) == 1
+    with pytest.raises(ValueError, match="cap must be >= 1, got 0"):
+        loader_workers(cap=0)

@@ -23,6 +23,12 @@ def test_fault_plan_naming_a_rank_that_does_not_exist_is_refused(tmp_path):
     assert not (tmp_path / "run").exists(), "refused before anything started"
 
 
+def test_a_backend_other_than_gloo_or_nccl_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl'"):
+        rc.supervise(tmp_path / "run", world_size=2, backend="mpi", **TINY)
+    assert not (tmp_path / "run").exists()
+
+
 def test_fault_plan_naming_a_step_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"step must be in \[0, 11\], got 12"):
         rc.supervise(tmp_path / "run", world_size=2, faults=[rc.Fault("hang", 0, 12)], **TINY)
