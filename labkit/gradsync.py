@@ -29,8 +29,8 @@ from labkit.collectives import LINKS, CommCounter, register_counting_hook, ring_
 SIZES = {
     "ci": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 4, "warmup_steps": 1},
     "gpu": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 4, "warmup_steps": 1},
-    # 17 MB of gradients: at the emulated 1 Gbps link one ring all-reduce takes ~0.25 s on
-    # 8 ranks, and syncing every micro-step makes ~85 of them, well inside the launch timeout.
+    # 17 MB of gradients: at the emulated 1 Gbps link the ring model gives ~0.24 s per
+    # all-reduce on 8 ranks, and syncing every micro-step makes ~85 of them, inside the timeout.
     "multi-gpu": {"hidden": 1024, "layers": 4, "micro_batch": 8, "accumulation": 16, "optimizer_steps": 4, "warmup_steps": 1},
 }
 

@@ -49,9 +49,9 @@ class LadderSizes:
 SIZES = {
     "ci": LadderSizes(num_images=1600, image_px=32, batch_size=128, workers=2,
                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
-    # On a GPU the model is real. At width 32 a step is a few kernel launches (~0.5 ms), less
-    # than the host's batch preparation, so even data in RAM could not keep it busy; width 256
-    # makes a step of several ms, as a training step is, and the input path the question.
+    # On a GPU the model is real. A width-32 step is a few tiny kernels that a current GPU
+    # may finish faster than the host prepares the next batch, so even data in RAM would not
+    # keep it busy; width 256 does 64x the FLOPs per step (an estimate: no GPU has run this yet).
     "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
                        stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3,
                        model_width=256),
