@@ -176,3 +176,23 @@ def test_deepspeed_quantized_flags_are_only_requested_on_gpu_ranks():
 def test_deepspeed_run_refuses_a_single_node_before_starting_ranks():
     with pytest.raises(ValueError, match="at least 2 nodes"):
         zeropp.run_deepspeed(world_size=2, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node, backend", [(4, 2, "gloo"), (2, 1, "nccl")])
+def test_deepspeed_zeropp_ranks_beyond_the_gpus_run_on_the_cpu_without_cuda_kernels(
+    monkeypatch, world_size, ranks_per_node, backend
+):
+    """On a 2-GPU node: 4 ranks run as gloo without qwZ/qgZ; 2 ranks get NCCL, the kernels and their op."""
+    from labkit import dsops, launcher, profiles
+
+    two_gpus = profiles.Profile("multi-gpu", device="cuda", ranks=2, rank_device="cuda", backend="nccl")
+    monkeypatch.setattr(profiles, "profile", lambda name=None: two_gpus)
+    built, launched = {}, {}
+    monkeypatch.setattr(dsops, "ensure_built", lambda names, accelerator=None: built.update(names=names, accelerator=accelerator))
+    monkeypatch.setattr(launcher, "launch", lambda fn, n, **kwargs: launched.update(kwargs) or [{}])
+    zeropp.run_deepspeed(world_size, ranks_per_node)
+    assert launched["backend"] == backend
+    on_gpus = backend == "nccl"
+    assert ("qwZ" in launched["configs"]) == on_gpus
+    assert (dsops.QUANTIZER_OP in built["names"]) == on_gpus
+    assert built["accelerator"] == dsops.accelerator_for(backend)

@@ -101,3 +101,21 @@ def test_real_engines_partition_optimizer_state_and_offload_it():
     assert off.on_accelerator.optimizer == 0 and off.offloaded.optimizer == s1.model_states.optimizer
     assert off.on_accelerator.params == 0 and off.offloaded.params == TINY.num_params
     assert off.optimizer_class == "DeepSpeedCPUAdam"
+
+
+def test_the_one_gpu_offload_timing_reaches_one_nccl_rank_with_cuda_ops(monkeypatch):
+    """The gpu profile's timing call, as notebook 04 makes it, up to the launch (no GPU needed)."""
+    from labkit import dsops
+
+    built, launched = {}, {}
+    monkeypatch.setattr(dsops, "ensure_built", lambda names, accelerator=None: built.update(names=names, accelerator=accelerator))
+
+    def fake_launch(fn, world_size, **kwargs):
+        launched.update(world_size=world_size, **kwargs)
+        return [[None] * len(kwargs["configs"])]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    zp.measure(zp.OFFLOAD_TIMING_CONFIGS, size=TINY, ranks=1, backend="nccl", dtype="bf16")
+    assert launched["world_size"] == 1 and launched["backend"] == "nccl"
+    assert launched["configs"] == list(zp.OFFLOAD_TIMING_CONFIGS)
+    assert built["accelerator"] is None and dsops.CPU_ADAM_OP in built["names"]
