@@ -8,6 +8,7 @@ repo="$(cd "$here/../.." && pwd)"
 out="${1:-$repo/runs/browser}"
 mkdir -p "$out"
 command -v "${CHROMIUM:-/usr/bin/chromium}" >/dev/null || { echo "Chromium not found: apt-get install chromium (or set CHROMIUM)"; exit 2; }
+command -v jupyter >/dev/null || { echo "jupyter not found: activate the environment labkit is installed in (source .venv/bin/activate)"; exit 2; }
 (cd "$here" && [ -d node_modules/playwright-core ] || npm install --silent --no-audit --no-fund)
 
 # Run a copy: JupyterLab autosaves, and committed notebooks must stay without outputs.
@@ -23,6 +24,8 @@ jupyter lab --no-browser --allow-root --ip 127.0.0.1 --port "$port" --IdentityPr
   --ServerApp.root_dir="$work" >"$out/jupyterlab.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 60); do curl -fs "http://127.0.0.1:$port/api?token=$token" >/dev/null && break; sleep 1; done
+ready=0
+for _ in $(seq 60); do curl -fs "http://127.0.0.1:$port/api?token=$token" >/dev/null && { ready=1; break; }; sleep 1; done
+[ "$ready" = 1 ] || { echo "JupyterLab did not answer within 60 s; its log ($out/jupyterlab.log) ends:"; tail -20 "$out/jupyterlab.log"; exit 1; }
 node "$here/smoke.mjs" "http://127.0.0.1:$port/lab/tree/01_input_pipeline.ipynb?token=$token" \
   "$out/lab01.png" "${SMOKE_TIMEOUT_S:-600}"
