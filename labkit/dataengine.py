@@ -12,10 +12,11 @@ diagnosis upstream, to how the dataset is *represented*:
   Lab 1's transformed cache, paid for once instead of every epoch.
 
 Daft does the I/O and decoding in native threads. The resize is torch's antialiased
-bilinear kernel inside a Daft batch function: measured per image on this course's
-JPEGs, Daft's own ``resize`` (the ``image`` crate's triangle filter) cost about half as
-much as the decode and 3-5x torch's uint8 kernel (:func:`stage_costs` measures it on
-your machine). ``resizer="daft"`` keeps Daft's resize for comparison. Daft has no
+bilinear kernel inside a Daft batch function: in three runs on the 2-core CI box, per
+image of this course's JPEGs, Daft's own ``resize`` (the ``image`` crate's triangle
+filter) cost 0.27-0.37 ms of CPU and torch's uint8 kernel 0.07-0.21 ms, beside a
+0.5-0.65 ms decode (:func:`stage_costs` measures it on your machine).
+``resizer="daft"`` keeps Daft's resize for comparison. Daft has no
 per-sample random augmentation, so :func:`augment_batch` does it on the whole batch
 in torch, on the accelerator where there is one.
 
