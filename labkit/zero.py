@@ -196,30 +196,6 @@ def offload_placement(
     )
 
 
-def accelerator_bytes_per_param(
-    stage: int,
-    dp_degree: int,
-    *,
-    optimizer_target: str = "none",
-    param_target: str = "none",
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
-) -> float:
-    """Accelerator bytes one parameter of the model costs each rank (the slope of the model)."""
-    _check_sizes(0, stage, dp_degree, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                 optimizer_bytes=optimizer_bytes)
-    _check_target("optimizer_target", optimizer_target)
-    _check_target("param_target", param_target)
-    n = dp_degree
-    params = 0.0 if param_target != "none" else param_bytes / (n if stage >= 3 else 1)
-    grads = grad_bytes / (n if stage >= 2 else 1)
-    if optimizer_target != "none" and stage >= 2:
-        grads -= grad_bytes / n
-    optimizer = 0.0 if optimizer_target != "none" else optimizer_bytes / (n if stage >= 1 else 1)
-    return params + grads + optimizer
-
-
 def largest_model_params(
     device_bytes: int,
     stage: int,
@@ -240,17 +216,16 @@ def largest_model_params(
     """
     if device_bytes < 0:
         raise ValueError(f"device_bytes must be >= 0, got {device_bytes}")
-    per_param = accelerator_bytes_per_param(
-        stage, dp_degree, optimizer_target=optimizer_target, param_target=param_target,
-        param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
-    )
+    kwargs = dict(optimizer_target=optimizer_target, param_target=param_target,
+                  param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    # The model is linear in the parameter count, and dp_degree parameters partition
+    # exactly, so they give the slope; the searches below settle the rounding.
+    per_param = offload_placement(dp_degree, stage, dp_degree, **kwargs).accelerator.total / dp_degree
     if per_param <= 0:
         raise ValueError(
             "with every model state offloaded the accelerator bound is infinite; "
             "size the model by CPU memory or NVMe capacity instead"
         )
-    kwargs = dict(optimizer_target=optimizer_target, param_target=param_target,
-                  param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
     best = int(device_bytes / per_param)
     while best > 0 and offload_placement(best, stage, dp_degree, **kwargs).accelerator.total > device_bytes:
         best -= 1
