@@ -192,6 +192,10 @@ class DeviceSpec:
 
 TERA = 1e12
 
+# H100 SXM and H200 SXM share the compute die: one table of dense tensor-core FLOP/s.
+_HOPPER_SXM_FLOPS = {"float64": 34 * TERA, "float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
+                     "float16": 989.4 * TERA, "float8": 1978.9 * TERA}
+
 VENDOR_SPECS: dict[str, DeviceSpec] = {
     "A100": DeviceSpec(
         "A100",
@@ -202,15 +206,13 @@ VENDOR_SPECS: dict[str, DeviceSpec] = {
     ),
     "H100": DeviceSpec(
         "H100",
-        {"float64": 34 * TERA, "float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
-         "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+        _HOPPER_SXM_FLOPS,
         3.35 * TERA,
         "vendor figure: NVIDIA H100 SXM datasheet (dense; the sheet's headline doubles these with sparsity)",
     ),
     "H200": DeviceSpec(
         "H200",
-        {"float64": 34 * TERA, "float32": 67 * TERA, "tf32": 494.7 * TERA, "bfloat16": 989.4 * TERA,
-         "float16": 989.4 * TERA, "float8": 1978.9 * TERA},
+        _HOPPER_SXM_FLOPS,
         4.8 * TERA,
         "vendor figure: NVIDIA H200 SXM datasheet (H100's compute, HBM3e at 4.8 TB/s; dense)",
     ),
