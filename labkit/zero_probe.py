@@ -492,12 +492,11 @@ def offload_slowdowns(measurements: Sequence[RankMeasurement]) -> dict[str, floa
     Above 1 means offload made the step slower. Only meaningful where the ranks
     are GPUs: on CPU ranks host and "accelerator" are one RAM and no bus is crossed.
     """
-    offloaded = dict.fromkeys(m.config.name for m in measurements if m.config.offloaded)
-    by_name = {m.config.name: m.config for m in measurements}
+    configs = {m.config.name: m.config for m in measurements}
     return {
         name: slowest_best_step_ms(measurements, name)
-        / slowest_best_step_ms(measurements, f"stage {by_name[name].stage}")
-        for name in offloaded
+        / slowest_best_step_ms(measurements, f"stage {config.stage}")
+        for name, config in configs.items() if config.offloaded
     }
 
 
