@@ -326,14 +326,16 @@ def run_experiment(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     check_accumulation(deepspeed_accumulation)
-    chosen = dict(sizes or profile().pick(SIZES))
+    prof = profile()
+    backend = prof.backend_for(world_size)
+    chosen = dict(sizes or prof.pick(SIZES))
     configs = experiment_configs(links, chosen.pop("accumulation"))
     if deepspeed_stages:
         for stage in deepspeed_stages:
             deepspeed_config(stage, deepspeed_accumulation, chosen["micro_batch"])
-        dsops.ensure_built(accelerator=dsops.accelerator_for(profile().backend_for(world_size)))
+        dsops.ensure_built(accelerator=dsops.accelerator_for(backend))
     return launch(
-        ddp_rank, world_size, backend=profile().backend_for(world_size), timeout_s=timeout_s,
+        ddp_rank, world_size, backend=backend, timeout_s=timeout_s,
         configs=configs, deepspeed_stages=tuple(deepspeed_stages),
         deepspeed_accumulation=deepspeed_accumulation, **chosen,
     )[0]
