@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from labkit.devices import Stopwatch, describe_machine, pick_device
+from labkit.devices import Stopwatch, describe_machine, loader_workers, pick_device
 from labkit.paths import data_dir
 
 
@@ -116,7 +116,7 @@ def bottlenecks(card: MachineCard, *, num_params: int, batch_size: int, ranks: i
     """
     if num_params < 1 or batch_size < 1 or ranks < 1 or checkpoint_every_steps < 1:
         raise ValueError("num_params, batch_size, ranks and checkpoint_every_steps must all be >= 1")
-    cores = loader_cores or os.cpu_count() or 1
+    cores = loader_cores or loader_workers()
     sync = 0.0 if ranks == 1 else 2 * num_params / card.allreduce_busbw_bytes_per_s
     estimates = [
         StepEstimate("compute (Lab 3)", 6 * num_params * batch_size / card.matmul_flops_per_s, 3),
