@@ -192,6 +192,28 @@ def stage_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 2) -> di
     return {stage: 1e3 * seconds / images for stage, seconds in best.items()}
 
 
+STAGES = ("bytes", "decode", "resize")
+
+
+def stage_table(
+    engine_cuts: dict[str, float], pil_cuts: dict[str, float], *, resizer: str = "torch",
+) -> dict[str, tuple[float, float]]:
+    """Per stage, (PIL worker, Daft pipeline) CPU ms per image, from each path's cuts.
+
+    A stage costs its cut minus the cut before it; getting the bytes is Daft's
+    ``download`` and the worker's file ``read``. The stage with the largest ratio
+    is where the engine gains; the ones near 1x bound what the whole path can gain.
+    """
+    if resizer not in RESIZERS:
+        raise ValueError(f"resizer must be one of {RESIZERS}, got {resizer!r}")
+    engine = (engine_cuts["download"], engine_cuts["decode"], engine_cuts[f"resize: {resizer}"])
+    pil = (pil_cuts["read"], pil_cuts["decode"], pil_cuts["resize"])
+    return {
+        stage: (pil[i] - (pil[i - 1] if i else 0.0), engine[i] - (engine[i - 1] if i else 0.0))
+        for i, stage in enumerate(STAGES)
+    }
+
+
 def torch_batches(
     frame: daft.DataFrame, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -6,7 +6,7 @@ the baseline is grey, the fix is the accent colour, emulations are hatched.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -59,6 +59,32 @@ def bars(
     ax.bar_label(drawn, labels=[fmt.format(v) for v in values], fontsize=8, padding=2)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
+    ax.margins(y=0.15)
+
+
+def grouped_bars(
+    ax: Axes,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    *,
+    colors: Sequence[str] | None = None,
+    fmt: str = "{:.2f}",
+    ylabel: str = "",
+    title: str = "",
+) -> None:
+    """Side-by-side labelled bars: one group per x position, one bar per series in each."""
+    width = 0.8 / len(series)
+    for index, (name, values) in enumerate(series.items()):
+        if len(values) != len(groups):
+            raise ValueError(f"series {name!r} has {len(values)} values for {len(groups)} groups")
+        xs = [x + (index - (len(series) - 1) / 2) * width for x in range(len(groups))]
+        color = (colors or PALETTE)[index % len(colors or PALETTE)]
+        drawn = ax.bar(xs, values, width, label=name, color=color)
+        ax.bar_label(drawn, labels=[fmt.format(v) for v in values], fontsize=8, padding=2)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
     ax.margins(y=0.15)
 
 

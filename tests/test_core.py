@@ -155,3 +155,17 @@ def test_loader_workers_follow_the_granted_cores_and_the_cap():
     assert loader_workers(cap=1) == 1
     with pytest.raises(ValueError, match="cap must be >= 1, got 0"):
         loader_workers(cap=0)
+
+
+def test_grouped_bars_draws_one_bar_per_series_and_group_and_checks_lengths():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit import plots
+
+    _, (ax,) = plots.figure()
+    plots.grouped_bars(ax, ["a", "b", "c"], {"x": [1.0, 2.0, 3.0], "y": [3.0, 2.0, 1.0]})
+    assert len(ax.patches) == 6
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["x", "y"]
+    with pytest.raises(ValueError, match="series 'y' has 2 values for 3 groups"):
+        plots.grouped_bars(ax, ["a", "b", "c"], {"y": [1.0, 2.0]})

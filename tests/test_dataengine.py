@@ -219,3 +219,16 @@ def test_stage_costs_charge_every_cut_and_decode_costs_more_than_download(select
     assert tuple(costs) == dataengine.PIPELINE_CUTS
     assert all(ms > 0 for ms in costs.values())
     assert costs["decode"] > costs["download"]
+
+
+def test_stage_table_charges_each_stage_its_cut_minus_the_one_before():
+    engine = {"download": 0.1, "decode": 0.6, "resize: daft": 0.95, "resize: torch": 0.75}
+    pil = {"read": 0.05, "decode": 0.65, "resize": 1.0}
+    table = dataengine.stage_table(engine, pil)
+    assert tuple(table) == dataengine.STAGES
+    expected = {"bytes": (0.05, 0.1), "decode": (0.6, 0.5), "resize": (0.35, 0.15)}
+    for stage, (pil_ms, engine_ms) in expected.items():
+        assert table[stage] == pytest.approx((pil_ms, engine_ms))
+    assert dataengine.stage_table(engine, pil, resizer="daft")["resize"][1] == pytest.approx(0.35)
+    with pytest.raises(ValueError, match="resizer must be one of"):
+        dataengine.stage_table(engine, pil, resizer="bicubic")

@@ -80,6 +80,18 @@ def test_naive_sharded_loading_skews_labels_and_labkit_does_not(small_dataset):
     assert sorted(sum(naive, [])) == sorted(labels)
 
 
+def test_pil_stage_costs_charge_every_cut_and_decode_costs_more_than_the_read(small_dataset):
+    paths, _ = small_dataset.paths_and_labels()
+    costs = loaders.stage_costs(paths[:64], 16, repeats=1)
+    assert tuple(costs) == loaders.PIL_CUTS
+    assert all(ms > 0 for ms in costs.values())
+    assert costs["decode"] > costs["read"]
+    with pytest.raises(ValueError, match="at least one image"):
+        loaders.stage_costs([], 16)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        loaders.stage_costs(paths[:1], 16, repeats=0)
+
+
 def test_loader_arguments_are_checked(small_dataset):
     paths, labels = small_dataset.paths_and_labels()
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
