@@ -6,8 +6,10 @@ Targets (issue 3), on the same images and the same cores:
 
 Each loader is drained end to end (start-up included) over every image; the best of
 ``--repeats`` passes counts, and the loaders take turns within each pass, so a busy
-spell on a shared machine hits them alike. Use >= 10k images: below that, start-up
-dominates. "daft pipeline" is what labkit ships (Daft decodes, torch resizes inside a
+spell on a shared machine hits them alike. Each pass also prints the CPU time per image
+of the whole loader (this process and its DataLoader workers): a loader that is faster
+only because it used the cores better shows the same CPU per image. Use >= 10k images:
+below that, start-up dominates. "daft pipeline" is what labkit ships (Daft decodes, torch resizes inside a
 Daft batch function); "daft, own resize" keeps Daft's ``resize`` for comparison.
 
     python benchmarks/lab02_data_engine.py [--images 10000] [--image-px 32] [--repeats 2]
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 
 os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
@@ -28,6 +31,12 @@ from labkit.devices import describe_machine, load_average, loader_workers  # noq
 from labkit.paths import data_dir  # noqa: E402
 
 TARGETS = {"daft pipeline": 1.3, "tensor cache": 3.0}
+
+
+def cpu_seconds() -> float:
+    """CPU of this process and of its reaped children (a DataLoader joins its workers at the end)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def main() -> int:
@@ -65,9 +74,11 @@ def main() -> int:
     rates = dict.fromkeys(loaders_under_test, 0.0)
     for repeat in range(args.repeats):
         for name, make in loaders_under_test.items():
+            cpu = cpu_seconds()
             images, seconds = dataengine.drain(make())
+            cpu_ms = 1e3 * (cpu_seconds() - cpu) / images
             rates[name] = max(rates[name], images / seconds)
-            print(f"pass {repeat + 1}  {name:16s} {images / seconds:9.0f} images/s   "
+            print(f"pass {repeat + 1}  {name:16s} {images / seconds:9.0f} images/s  {cpu_ms:6.3f} CPU ms/image   "
                   f"(load average {load_average():.1f})")
     print("best of each:", {name: round(rate) for name, rate in rates.items()})
 
