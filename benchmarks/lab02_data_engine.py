@@ -9,8 +9,9 @@ Each loader is drained end to end (start-up included) over every image; the best
 spell on a shared machine hits them alike. Each pass also prints the CPU time per image
 of the whole loader (this process and its DataLoader workers): a loader that is faster
 only because it used the cores better shows the same CPU per image. Use >= 10k images:
-below that, start-up dominates. "daft pipeline" is what labkit ships (Daft decodes, torch resizes inside a
-Daft batch function); "daft, own resize" keeps Daft's ``resize`` for comparison.
+below that, start-up dominates. "daft pipeline" is what labkit ships (Daft decodes, torch
+resizes inside a Daft batch function); "daft, own resize" keeps Daft's ``resize`` for
+comparison.
 
     python benchmarks/lab02_data_engine.py [--images 10000] [--image-px 32] [--repeats 2]
 """
