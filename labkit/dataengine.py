@@ -66,6 +66,8 @@ class EngineSizes:
     ``stand_in_images_per_s`` sets Lab 1's stand-in accelerator (an emulation that
     waits without using the host CPU); ``None`` means a real model step on the GPU.
     ``latency_ms`` is the emulated per-request latency of remote object storage.
+    ``stage_images`` caps the images whose stage costs are measured: a per-image
+    average needs a sample, and Lab 1's PIL path measures in one thread.
     """
 
     num_images: int
@@ -76,6 +78,7 @@ class EngineSizes:
     latency_ms: float
     latency_images: int
     runner_images: int
+    stage_images: int
 
 
 class Accelerator(Protocol):
@@ -86,14 +89,17 @@ SIZES = {
     "ci": EngineSizes(
         num_images=1_600, image_px=32, batch_size=64, stand_in_images_per_s=5_000.0,
         rows_per_group=128, latency_ms=4.0, latency_images=256, runner_images=512,
+        stage_images=1_600,
     ),
     "gpu": EngineSizes(
         num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=4_096,
+        stage_images=2_048,
     ),
     "multi-gpu": EngineSizes(
         num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=8_192,
+        stage_images=2_048,
     ),
 }
 BENCHMARK_IMAGES = 10_000
