@@ -12,11 +12,13 @@ diagnosis upstream, to how the dataset is *represented*:
   Lab 1's transformed cache, paid for once instead of every epoch.
 
 Daft does the I/O and decoding in native threads. The resize is torch's antialiased
-bilinear kernel inside a Daft batch function: in three runs on the 2-core CI box, per
+bilinear kernel inside a Daft batch function: in six runs on the 2-core CI box, per
 image of this course's JPEGs, Daft's own ``resize`` (the ``image`` crate's triangle
-filter) cost 0.27-0.37 ms of CPU and torch's uint8 kernel 0.07-0.21 ms, beside a
+filter) cost 0.27-0.39 ms of CPU and torch's uint8 kernel 0.07-0.25 ms, beside a
 0.5-0.65 ms decode (:func:`stage_costs` measures it on your machine).
-``resizer="daft"`` keeps Daft's resize for comparison. Daft has no
+``resizer="daft"`` keeps Daft's resize for comparison. The decode is not where the
+engine gains: in three of those runs Lab 1's PIL worker decoded the same images in
+0.39-0.47 ms (:func:`stage_table` sets the two paths side by side). Daft has no
 per-sample random augmentation, so :func:`augment_batch` does it on the whole batch
 in torch, on the accelerator where there is one.
 
