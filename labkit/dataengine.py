@@ -56,7 +56,7 @@ from daft.functions import image_to_tensor, resize  # noqa: E402
 
 from labkit.atomic import atomic_file  # noqa: E402
 from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E402
-from labkit.devices import host_threads  # noqa: E402
+from labkit.devices import cpu_ms_per_item, host_threads  # noqa: E402
 from labkit.loaders import ModelStep, StandInAccelerator  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
 
@@ -183,21 +183,19 @@ def stage_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 2) -> di
     """CPU milliseconds per image of the pipeline cut after each stage (best of ``repeats``).
 
     A stage's cost is the difference between two cuts: that is how the slow stage is
-    found, instead of guessed. CPU time of the whole process (every Daft thread), not
-    wall time, because a busy machine moves it less.
+    found, instead of guessed. The CPU of every Daft thread counts.
     """
-    _check_positive(image_px=image_px, repeats=repeats)
+    _check_positive(image_px=image_px)
     images = frame.count_rows()
     if images == 0:
         raise ValueError("frame must select at least one image, got an empty selection")
-    best = dict.fromkeys(PIPELINE_CUTS, math.inf)
-    for _ in range(repeats):
-        for stage in PIPELINE_CUTS:
-            start = time.process_time()
-            for _ in frame.select(_cut_after(stage, image_px).alias("out")).to_arrow_iter():
-                pass
-            best[stage] = min(best[stage], time.process_time() - start)
-    return {stage: 1e3 * seconds / images for stage, seconds in best.items()}
+    runs = {stage: functools.partial(_drain_cut, frame, stage, image_px) for stage in PIPELINE_CUTS}
+    return cpu_ms_per_item(runs, images, repeats=repeats)
+
+
+def _drain_cut(frame: daft.DataFrame, stage: str, image_px: int) -> None:
+    for _ in frame.select(_cut_after(stage, image_px).alias("out")).to_arrow_iter():
+        pass
 
 
 STAGES = ("bytes", "decode", "resize")
@@ -214,12 +212,13 @@ def stage_table(
     """
     if resizer not in RESIZERS:
         raise ValueError(f"resizer must be one of {RESIZERS}, got {resizer!r}")
-    engine = (engine_cuts["download"], engine_cuts["decode"], engine_cuts[f"resize: {resizer}"])
-    pil = (pil_cuts["read"], pil_cuts["decode"], pil_cuts["resize"])
-    return {
-        stage: (pil[i] - (pil[i - 1] if i else 0.0), engine[i] - (engine[i - 1] if i else 0.0))
-        for i, stage in enumerate(STAGES)
-    }
+    engine = _steps((engine_cuts["download"], engine_cuts["decode"], engine_cuts[f"resize: {resizer}"]))
+    pil = _steps((pil_cuts["read"], pil_cuts["decode"], pil_cuts["resize"]))
+    return dict(zip(STAGES, zip(pil, engine)))
+
+
+def _steps(cuts: Sequence[float]) -> list[float]:
+    return [cut - before for before, cut in zip((0.0, *cuts), cuts)]
 
 
 def torch_batches(

@@ -14,7 +14,7 @@ import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -107,6 +107,23 @@ def describe_machine() -> dict[str, object]:
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def cpu_ms_per_item(runs: Mapping[str, Callable[[], object]], items: int, *, repeats: int = 2) -> dict[str, float]:
+    """CPU milliseconds per item of each run, best of ``repeats``, the runs taking turns.
+
+    CPU time of the whole process (every thread it started), not wall time: a busy
+    shared machine moves it less. Taking turns lets a busy spell hit every run alike.
+    """
+    if items < 1 or repeats < 1:
+        raise ValueError(f"items and repeats must be >= 1, got {items} and {repeats}")
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.process_time()
+            run()
+            best[name] = min(best[name], time.process_time() - start)
+    return {name: 1e3 * seconds / items for name, seconds in best.items()}
 
 
 def loader_workers(cap: int = 16) -> int:

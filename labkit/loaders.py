@@ -21,6 +21,7 @@ order, and the random flip of a sample depends only on (seed, epoch, index).
 
 from __future__ import annotations
 
+import functools
 import io
 import queue
 import threading
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset as TorchDataset
 from tqdm.auto import tqdm
 
 from labkit.atomic import atomic_file
+from labkit.devices import cpu_ms_per_item
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -77,20 +79,19 @@ def stage_costs(paths: Sequence[str], image_px: int, *, repeats: int = 2) -> dic
 
     The same cuts as the data engine's (``dataengine.stage_costs``), so the two paths
     can be compared stage by stage: a faster engine shortens only the stages it
-    changes. One thread, as each worker runs it; CPU time, not wall time.
+    changes. One thread, as each worker runs it.
     """
     if not paths:
         raise ValueError("paths must name at least one image, got none")
-    if image_px < 1 or repeats < 1:
-        raise ValueError(f"image_px and repeats must be >= 1, got {image_px} and {repeats}")
-    best = dict.fromkeys(PIL_CUTS, float("inf"))
-    for _ in range(repeats):
-        for stage in PIL_CUTS:
-            start = time.process_time()
-            for path in paths:
-                _cut_after(stage, path, image_px)
-            best[stage] = min(best[stage], time.process_time() - start)
-    return {stage: 1e3 * seconds / len(paths) for stage, seconds in best.items()}
+    if image_px < 1:
+        raise ValueError(f"image_px must be >= 1, got {image_px}")
+    runs = {stage: functools.partial(_cut_all_after, stage, paths, image_px) for stage in PIL_CUTS}
+    return cpu_ms_per_item(runs, len(paths), repeats=repeats)
+
+
+def _cut_all_after(stage: str, paths: Sequence[str], image_px: int) -> None:
+    for path in paths:
+        _cut_after(stage, path, image_px)
 
 
 def flip_decisions(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:

@@ -169,3 +169,18 @@ def test_grouped_bars_draws_one_bar_per_series_and_group_and_checks_lengths():
     assert [text.get_text() for text in ax.get_legend().get_texts()] == ["x", "y"]
     with pytest.raises(ValueError, match="series 'y' has 2 values for 3 groups"):
         plots.grouped_bars(ax, ["a", "b", "c"], {"y": [1.0, 2.0]})
+
+
+def test_cpu_ms_per_item_charges_cpu_not_waiting():
+    from labkit.devices import cpu_ms_per_item
+
+    def spin():
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+
+    costs = cpu_ms_per_item({"sleep": lambda: time.sleep(0.02), "spin": spin}, items=2, repeats=2)
+    assert list(costs) == ["sleep", "spin"]
+    assert costs["spin"] >= 10.0 > costs["sleep"]  # 20 ms of CPU over 2 items; a sleep uses next to none
+    with pytest.raises(ValueError, match="items and repeats must be >= 1, got 0 and 1"):
+        cpu_ms_per_item({"spin": spin}, items=0, repeats=1)
