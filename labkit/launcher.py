@@ -101,6 +101,15 @@ def resolve(ref: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), name)
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def check_backend(backend: str) -> None:
+    """Refuse an unknown backend before anything expensive (op builds, processes) starts."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'gloo' (CPU ranks) or 'nccl' (one GPU per rank), got {backend!r}")
+
+
 def _setup_rank_process(backend: str) -> None:
     os.environ["LABKIT_BACKEND"] = backend
     if backend == "gloo":
@@ -202,8 +211,7 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    check_backend(backend)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     ref = _function_ref(fn)

@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from labkit.launcher import free_port
+from labkit.launcher import check_backend, free_port
 
 FAULT_KINDS = ("kill", "hang", "straggle", "nan")
 CAUSE_OF_FAULT = {"kill": "exit", "hang": "hang", "straggle": "straggler", "nan": "nonfinite"}
@@ -521,8 +521,7 @@ def supervise(
     relaunch starts cold, as torchrun does.
     """
     steps = int(train_kwargs.get("steps", 80))
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' (CPU ranks) or 'nccl' (one GPU per rank), got {backend!r}")
+    check_backend(backend)
     if spares < 0:
         raise ValueError(f"spares must be >= 0, got {spares}")
     if heartbeat_timeout_s <= 0:

@@ -432,7 +432,7 @@ def measure(
     are built (once per environment) in this process.
     """
     from labkit import dsops, profile
-    from labkit.launcher import launch
+    from labkit.launcher import check_backend, launch
 
     prof = profile()
     configs = list(configs if configs is not None else BASE_CONFIGS + CPU_OFFLOAD_CONFIGS)
@@ -442,8 +442,7 @@ def measure(
     backend = backend or prof.backend
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' (CPU ranks) or 'nccl' (GPU ranks), got {backend!r}")
+    check_backend(backend)
     if not configs:
         raise ValueError("configs must name at least one ProbeConfig")
     for config in configs:

@@ -51,3 +51,8 @@ def test_gloo_ranks_get_deepspeeds_cpu_accelerator_even_when_told_otherwise():
     """On a GPU machine DeepSpeed would pick CUDA; a gloo rank is a CPU rank whatever the env says."""
     results = launch(rankfns.deepspeed_accelerator_rank, 2, env={"DS_ACCELERATOR": "cuda"}, timeout_s=120)
     assert results == [("cpu", "cpu"), ("cpu", "cpu")]
+
+
+def test_launch_refuses_an_unknown_backend_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl' .*, got 'mpi'"):
+        launch(rankfns.deepspeed_accelerator_rank, 1, backend="mpi")
