@@ -105,8 +105,7 @@ class Ladder:
 
     def in_ram(self) -> MeterSummary:
         """Decode a training slice once, keep it in RAM, train from memory."""
-        pixels = torch.from_numpy(loaders.decode_all(loaders._ReadFile(self.paths), len(self.paths),
-                                                     self.sizes.image_px, desc="loading slice into RAM"))
+        pixels = torch.from_numpy(loaders.decode_files(self.paths, self.sizes.image_px, desc="loading slice into RAM"))
         labels = torch.tensor(self.labels)
         make = lambda epoch: loaders.InRamBatches(pixels, labels, batch_size=self.sizes.batch_size,
                                                   epoch=epoch, device=self.device)
@@ -160,8 +159,7 @@ class Ladder:
         """
         model = loaders.ModelStep("cpu", width=width)
         paths, labels = self.paths[:num_images], self.labels[:num_images]
-        pixels = torch.from_numpy(loaders.decode_all(loaders._ReadFile(paths), len(paths), self.sizes.image_px,
-                                                     desc="decoding the aside's slice"))
+        pixels = torch.from_numpy(loaders.decode_files(paths, self.sizes.image_px, desc="decoding the aside's slice"))
         in_ram = loaders.InRamBatches(pixels, torch.tensor(labels), batch_size=self.sizes.batch_size)
         files = loaders.file_loader(paths, labels, batch_size=self.sizes.batch_size,
                                     image_px=self.sizes.image_px, num_workers=workers)

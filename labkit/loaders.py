@@ -283,6 +283,11 @@ def decode_all(fetch: Callable[[int], bytes], count: int, image_px: int, *, draf
     return pixels
 
 
+def decode_files(paths: Sequence[str], image_px: int, *, desc: str = "decoding") -> np.ndarray:
+    """Decode every file once: uint8 [N, 3, px, px]."""
+    return decode_all(_ReadFile(paths), len(paths), image_px, desc=desc)
+
+
 @dataclass(frozen=True)
 class TransformedCache:
     """Converted pixels on local disk (a NumPy memory map), built once, read every epoch.
@@ -303,7 +308,7 @@ class TransformedCache:
             cached = np.load(path, mmap_mode="r")
             if cached.shape == (len(paths), 3, image_px, image_px):
                 return cls(path, labels_array)
-        pixels = decode_all(_ReadFile(paths), len(paths), image_px, desc="building transformed cache")
+        pixels = decode_files(paths, image_px, desc="building transformed cache")
         with atomic_file(path) as tmp:
             with open(tmp, "wb") as handle:
                 np.save(handle, pixels)
