@@ -59,6 +59,32 @@ class Stopwatch:
         self.load_avg = load_average()
 
 
+def interleaved_best_ms(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 1,
+    repeats: int = 9,
+) -> dict[str, float]:
+    """Best milliseconds of each function, timed in alternating rounds.
+
+    Comparing two ways of doing the same work on a shared machine: timing one
+    block of repeats after the other lets the neighbours' load change between
+    the blocks, and the ratio swings with it. Alternating puts both under the
+    same conditions, and the minimum of each keeps the least-disturbed call.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            best[name] = min(best[name], time_ms(fn, device=device, warmup=0, repeats=1)[0])
+    return best
+
+
 def time_ms(
     fn: Callable[[], object],
     *,

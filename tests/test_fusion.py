@@ -58,3 +58,23 @@ def test_bad_method_and_sizes_are_refused():
         fusion.tiled_fused_chain(x, x[0], x, 1.0, x, tile_rows=0)
     with pytest.raises(ValueError, match="must be a positive integer"):
         fusion.predict(0, 8)
+
+
+def test_compile_falls_back_to_the_tiled_form_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(fusion.shutil, "which", lambda name: None)
+    assert fusion.compiler_missing("cpu")
+    assert fusion.pick_method("compile", "cpu") == "tiled"
+    assert fusion.pick_method("tiled", "cpu") == "tiled"
+    with pytest.raises(ValueError, match="method must be one of"):
+        fusion.pick_method("by-hand", "cpu")
+
+
+def test_interleaved_timing_returns_the_best_of_each():
+    from labkit.devices import interleaved_best_ms
+
+    calls = []
+    best = interleaved_best_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                               warmup=0, repeats=3)
+    assert calls == ["a", "b"] * 3 and set(best) == {"a", "b"}
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        interleaved_best_ms({"a": lambda: None}, repeats=0)
