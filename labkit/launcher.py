@@ -19,10 +19,12 @@ The same rank functions run under ``torchrun`` or the ``deepspeed`` launcher::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -133,6 +135,25 @@ def _init_process_group(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies.
+
+    A rank runs in its own process group, so killing a notebook's kernel (a
+    runner's hard stop, an out-of-memory kill) would otherwise leave it running.
+    A no-op where prctl does not exist (macOS): there the launcher's own cleanup
+    is all there is.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _rank_main(
     ref: str,
     rank: int,
@@ -142,6 +163,7 @@ def _rank_main(
     log_path: str,
     conn: Connection,
 ) -> None:
+    die_with_parent()
     os.setpgrp()
     log = open(log_path, "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -168,22 +190,54 @@ def _rank_main(
         conn.close()
 
 
-def _kill_group(proc: mp.process.BaseProcess) -> None:
-    if proc.pid is None:
+def kill_group(pid: int | None, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, to the process group led by ``pid`` and to ``pid`` itself.
+
+    Signalling the pid too matters for a rank still starting up: until it has
+    called ``setpgrp`` its group does not exist and ``killpg`` alone misses it.
+    Children a rank started die with its group.
+    """
+    if pid is None:
         return
+    deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.join(timeout=2)
-        if not proc.is_alive():
+        _signal(pid, sig)
+        while sig == signal.SIGTERM and time.monotonic() < deadline and _running(pid):
+            time.sleep(0.05)
+        if not _running(pid):
             break
-    # children the rank started may outlive it in its group
+    _killpg(pid, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to the group ``pid`` leads and to ``pid`` itself."""
+    _killpg(pid, sig)
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _running(pid: int) -> bool:
+    """Alive and not yet a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -220,6 +274,7 @@ def launch(
     log_dir = Path(tempfile.mkdtemp(prefix="labkit-ranks-"))
     ctx = mp.get_context("spawn")
     procs, conns, logs = [], [], []
+    keep_logs = False
     try:
         for rank in range(world_size):
             rank_env = {
@@ -245,12 +300,21 @@ def launch(
             procs.append(proc)
             conns.append(parent_conn)
             logs.append(log_path)
-        return _collect(procs, conns, logs, timeout_s)
+        results = _collect(procs, conns, logs, timeout_s)
+    except (RankError, RankTimeout) as exc:
+        keep_logs = True
+        exc.args = (f"{exc.args[0]}\n(every rank's full output is kept in {log_dir})",)
+        raise
     finally:
         for proc in procs:
-            _kill_group(proc)
+            # a rank that already exited and was reaped may have left children in its group
+            kill_group(proc.pid) if proc.exitcode is None else _killpg(proc.pid, signal.SIGKILL)
+            proc.join(timeout=1)
         for conn in conns:
             conn.close()
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return results
 
 
 def _collect(

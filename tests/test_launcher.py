@@ -56,3 +56,62 @@ def test_gloo_ranks_get_deepspeeds_cpu_accelerator_even_when_told_otherwise():
 def test_launch_refuses_an_unknown_backend_naming_the_valid_ones():
     with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl' .*, got 'mpi'"):
         launch(rankfns.deepspeed_accelerator_rank, 1, backend="mpi")
+
+
+def test_a_successful_launch_removes_its_log_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    launch(rankfns.allreduce_rank, 2, value=1.0, timeout_s=120)
+    assert not list(tmp_path.glob("labkit-ranks-*"))
+
+
+def test_a_failed_launch_keeps_its_logs_and_names_the_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RankError, match="full output is kept in") as info:
+        launch(rankfns.failing_rank, 2, bad_rank=0, timeout_s=120)
+    kept = list(tmp_path.glob("labkit-ranks-*"))
+    assert len(kept) == 1 and str(kept[0]) in str(info.value)
+
+
+def test_kill_group_stops_a_process_that_never_made_its_own_group():
+    import subprocess
+
+    from labkit.launcher import kill_group
+
+    child = subprocess.Popen(["sleep", "60"])  # shares our process group, as a rank does before setpgrp
+    kill_group(child.pid, grace_s=1)
+    assert child.wait(timeout=5) != 0
+
+
+def test_a_rank_dies_with_its_parent(tmp_path):
+    """A kernel killed hard (SIGKILL) must not leave its ranks running: they die with it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys; from labkit.launcher import launch; from tests import rankfns; "
+            f"launch(rankfns.hanging_rank, 2, timeout_s=120, pid_dir={str(tmp_path)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2, "ranks did not start"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for init to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
