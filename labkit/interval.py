@@ -80,6 +80,30 @@ def plan_interval(checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.
     )
 
 
+
+def plan_text(seconds_per_gb: dict[str, float], state_gb: float, mtbf_h: float, restart_min: float) -> str:
+    """One line per saver: its checkpoint cost at ``state_gb`` and the plan :func:`plan_interval` makes of it."""
+    lines = []
+    for name, s_per_gb in seconds_per_gb.items():
+        plan = plan_interval(s_per_gb * state_gb, mtbf_h * 3600, restart_min * 60)
+        lines.append(f"{name:>5}: cost {s_per_gb * state_gb:7.1f} s -> save every {plan.interval_s / 60:6.1f} min, "
+                     f"lose {plan.lost_work_per_failure_s / 60:5.1f} min per failure, goodput {plan.goodput:.3f}")
+    return "\n".join(lines)
+
+
+def plan_widget(seconds_per_gb: dict[str, float]):
+    """Controls over :func:`plan_text` for savers whose cost per GB was measured (see :mod:`labkit.widgets`)."""
+    import ipywidgets as widgets
+
+    from labkit.widgets import live
+
+    controls = {
+        "state_gb": widgets.FloatSlider(value=100.0, min=1.0, max=2000.0, step=1.0, description="state GB"),
+        "mtbf_h": widgets.FloatSlider(value=3.0, min=0.5, max=24.0, step=0.5, description="MTBF h"),
+        "restart_min": widgets.FloatSlider(value=10.0, min=0.0, max=60.0, step=1.0, description="restart min"),
+    }
+    return live(lambda **values: plan_text(seconds_per_gb, **values), controls)
+
 def restore_time_s(state_bytes: float, read_bytes_per_s: float, startup_s: float = 0.0) -> float:
     """A *model* for the restore-cache proposal, nothing implemented: restart time is
     start-up plus reading the state at the source's bandwidth (remote storage vs a

@@ -464,8 +464,8 @@ def plot_plans(rows: Sequence[dict[str, Any]], top: int = 10, device_memory_gib:
 def planner_widget():
     """Sliders for model size, cluster shape and inter-node link; redraws from :func:`plan_rows`."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from labkit.widgets import live
 
     controls = {
         "params_billion": widgets.FloatLogSlider(value=7, base=10, min=-1, max=3, description="params (B)"),
@@ -474,20 +474,11 @@ def planner_widget():
         "inter_node": widgets.Dropdown(options=list(LINKS), value="100 Gbps", description="inter-node"),
         "accumulation": widgets.IntSlider(value=8, min=1, max=64, description="accumulation"),
     }
-    out = widgets.Output()
 
-    def redraw(*_: Any) -> None:
-        values = {k: c.value for k, c in controls.items()}
-        with out:
-            out.clear_output(wait=True)
-            rows = plan_rows(
-                int(values["params_billion"] * 1e9), values["nodes"], values["gpus_per_node"],
-                inter_node=values["inter_node"], accumulation=values["accumulation"],
-            )
-            plot_plans(rows, device_memory_gib=80.0)
-            plt.show()
+    def render(params_billion: float, nodes: int, gpus_per_node: int, inter_node: str, accumulation: int):
+        rows = plan_rows(int(params_billion * 1e9), nodes, gpus_per_node,
+                         inter_node=inter_node, accumulation=accumulation)
+        return plot_plans(rows, device_memory_gib=80.0)
 
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    display(widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:]), out]))
+    return live(render, controls, rows=[["params_billion", "nodes", "gpus_per_node"],
+                                        ["inter_node", "accumulation"]])

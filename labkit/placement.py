@@ -258,6 +258,27 @@ class _FreeGpus:
         self.total += sign * int(counts.sum())
 
 
+
+def step_time_text(links: dict[str, Link], gpus: int, gradient_gb: float, compute_s: float) -> str:
+    """One line per placement scope: a job's step time when its ranks span that scope."""
+    job = Job(0, 0.0, gpus, 1, compute_s, int(gradient_gb * 1e9))
+    return "\n".join(f"{scope:>8}: {step_time_s(job, scope, links):7.3f} s per step  ({links[scope].name})"
+                     for scope in SCOPES)
+
+
+def step_time_widget(links: dict[str, Link]):
+    """Controls over :func:`step_time_text` (see :mod:`labkit.widgets`)."""
+    import ipywidgets as widgets
+
+    from labkit.widgets import live
+
+    controls = {
+        "gpus": widgets.IntSlider(value=64, min=8, max=512, step=8, description="GPUs"),
+        "gradient_gb": widgets.FloatSlider(value=4.0, min=0.1, max=20, description="gradient GB"),
+        "compute_s": widgets.FloatSlider(value=0.3, min=0.05, max=3, description="compute s"),
+    }
+    return live(lambda **values: step_time_text(links, **values), controls)
+
 def _best_fit(free_per_group: np.ndarray, gpus: int) -> int | None:
     """The group with the least free room that still fits (keeps big holes for big jobs)."""
     fits = np.flatnonzero(free_per_group >= gpus)

@@ -388,31 +388,29 @@ def explorer_text(device: str, batch: int, seq_len: int, hidden: int, dtype: str
 
 
 def explorer_widget(table: Mapping[str, DeviceSpec] | None = None):
-    """An ipywidgets control over :func:`explore`: pick a device and a shape, read the verdict."""
+    """Controls over :func:`explore`: pick a device and a shape, read the verdict (see :mod:`labkit.widgets`)."""
     import ipywidgets as widgets
 
+    from labkit.widgets import live
+
     table = dict(VENDOR_SPECS if table is None else table)
-    device = widgets.Dropdown(options=list(table), value=next(iter(table)), description="device")
     dtypes = sorted({d for spec in table.values() for d in spec.peak_flops_per_s})
-    dtype = widgets.Dropdown(options=dtypes, value="bfloat16" if "bfloat16" in dtypes else dtypes[0],
-                             description="dtype")
-    batch = widgets.IntSlider(value=1, min=1, max=64, description="batch")
-    seq_len = widgets.IntSlider(value=128, min=1, max=8192, step=1, description="seq_len")
-    hidden = widgets.IntSlider(value=4096, min=64, max=16384, step=64, description="hidden")
-    out = widgets.Output()
+    controls = {
+        "device": widgets.Dropdown(options=list(table), value=next(iter(table)), description="device"),
+        "dtype": widgets.Dropdown(options=dtypes, value="bfloat16" if "bfloat16" in dtypes else dtypes[0],
+                                  description="dtype"),
+        "batch": widgets.IntSlider(value=1, min=1, max=64, description="batch"),
+        "seq_len": widgets.IntSlider(value=128, min=1, max=8192, step=1, description="seq_len"),
+        "hidden": widgets.IntSlider(value=4096, min=64, max=16384, step=64, description="hidden"),
+    }
 
-    def update(*_: object) -> None:
-        out.clear_output()
-        with out:
-            try:
-                print(explorer_text(device.value, batch.value, seq_len.value, hidden.value, dtype.value, table))
-            except ValueError as err:
-                print(f"not available: {err}")
+    def render(device: str, dtype: str, batch: int, seq_len: int, hidden: int) -> str:
+        try:
+            return explorer_text(device, batch, seq_len, hidden, dtype, table)
+        except ValueError as err:
+            return f"not available: {err}"
 
-    for control in (device, dtype, batch, seq_len, hidden):
-        control.observe(update, names="value")
-    update()
-    return widgets.VBox([widgets.HBox([device, dtype]), batch, seq_len, hidden, out])
+    return live(render, controls, rows=[["device", "dtype"], ["batch"], ["seq_len"], ["hidden"]])
 
 
 def plot_roofline(ax, roofs: Mapping[str, tuple[float, float]], points: Iterable[tuple[str, float, float]] = (),

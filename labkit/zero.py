@@ -310,40 +310,39 @@ def calculator_view(
     )
 
 
-def calculator():  # -> ipywidgets.Widget
-    """An ipywidgets control over :func:`calculator_view` (all logic lives there)."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-
+def calculator_figure(view: CalculatorView):
+    """The calculator's picture: per-rank GiB on the accelerator and offloaded, with the verdict."""
     from labkit import plots
 
-    billions = widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, step=0.05,
-                                      description="params (B)")
-    ranks = widgets.IntSlider(value=64, min=1, max=1024, description="ranks")
-    stage = widgets.Dropdown(options=list(STAGES), value=3, description="ZeRO stage")
-    offload = widgets.Dropdown(options=list(OFFLOAD_CHOICES), value="none", description="offload")
-    memory = widgets.FloatSlider(value=80, min=8, max=192, step=8, description="GiB/device")
-    out = widgets.Output()
+    fig, (ax,) = plots.figure(width=6.5, height=3.2)
+    x = range(len(view.labels))
+    ax.bar(x, view.accelerator_gib, color=plots.FIX, label="on the accelerator")
+    ax.bar(x, view.offloaded_gib, bottom=view.accelerator_gib, color=plots.BASELINE,
+           hatch="//", label="offloaded (CPU/NVMe)")
+    ax.set_xticks(list(x), view.labels)
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(("fits" if view.fits else "does not fit") + f" in {view.device_gib:g} GiB",
+                 color=plots.GOOD if view.fits else plots.WARN)
+    ax.legend()
+    return fig
 
-    def draw(*_: object) -> None:
-        view = calculator_view(billions.value * 1e9, ranks.value, stage.value, offload.value,
-                               memory.value)
-        with out:
-            out.clear_output(wait=True)
-            fig, (ax,) = plots.figure(width=6.5, height=3.2)
-            x = range(len(view.labels))
-            ax.bar(x, view.accelerator_gib, color=plots.FIX, label="on the accelerator")
-            ax.bar(x, view.offloaded_gib, bottom=view.accelerator_gib, color=plots.BASELINE,
-                   hatch="//", label="offloaded (CPU/NVMe)")
-            ax.set_xticks(list(x), view.labels)
-            ax.set_ylabel("GiB per rank")
-            ax.set_title(("fits" if view.fits else "does not fit") + f" in {view.device_gib:g} GiB",
-                         color=plots.GOOD if view.fits else plots.WARN)
-            ax.legend()
-            plt.show()
-            print(view.message)
 
-    for control in (billions, ranks, stage, offload, memory):
-        control.observe(draw, names="value")
-    draw()
-    return widgets.VBox([widgets.HBox([billions, ranks, stage]), widgets.HBox([offload, memory]), out])
+def calculator():
+    """Controls over :func:`calculator_view` (all logic lives there; see :mod:`labkit.widgets`)."""
+    import ipywidgets as widgets
+
+    from labkit.widgets import live
+
+    controls = {
+        "billions": widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, step=0.05, description="params (B)"),
+        "ranks": widgets.IntSlider(value=64, min=1, max=1024, description="ranks"),
+        "stage": widgets.Dropdown(options=list(STAGES), value=3, description="ZeRO stage"),
+        "offload": widgets.Dropdown(options=list(OFFLOAD_CHOICES), value="none", description="offload"),
+        "memory_gib": widgets.FloatSlider(value=80, min=8, max=192, step=8, description="GiB/device"),
+    }
+
+    def render(billions: float, ranks: int, stage: int, offload: str, memory_gib: float):
+        view = calculator_view(billions * 1e9, ranks, stage, offload, memory_gib)
+        return calculator_figure(view), view.message
+
+    return live(render, controls, rows=[["billions", "ranks", "stage"], ["offload", "memory_gib"]])

@@ -442,6 +442,29 @@ def traffic_calculator(
     }
 
 
+
+def traffic_text(params_billion: float, bandwidth_gbps: float, qwz: bool, hpz: bool, qgz: bool) -> str:
+    """The calculator's line: cross-node GB per step, as a multiple of M, and the link's seconds."""
+    r = traffic_calculator(params_billion, bandwidth_gbps=bandwidth_gbps, qwz=qwz, hpz=hpz, qgz=qgz)
+    return (f"{r['cross_node_gb']:.1f} GB cross-node per step ({r['multiple_of_M']:.2f}M), "
+            f"{r['link_s']:.2f} s on the link")
+
+
+def traffic_widget():
+    """Controls over :func:`traffic_text` (see :mod:`labkit.widgets`)."""
+    import ipywidgets as widgets
+
+    from labkit.widgets import live
+
+    controls = {
+        "params_billion": widgets.FloatLogSlider(value=7, base=10, min=-1, max=2.5, description="params (B)"),
+        "bandwidth_gbps": widgets.FloatLogSlider(value=100, base=10, min=0, max=3, description="link Gbit/s"),
+        "qwz": widgets.Checkbox(value=False, description="qwZ"),
+        "hpz": widgets.Checkbox(value=False, description="hpZ"),
+        "qgz": widgets.Checkbox(value=False, description="qgZ"),
+    }
+    return live(traffic_text, controls, rows=[["params_billion", "bandwidth_gbps"], ["qwz", "hpz", "qgz"]])
+
 COMM_DTYPES = ("float32", "bfloat16")
 
 
