@@ -11,7 +11,7 @@ from labkit.profiles import PROFILE_NAMES
 
 def _run(args: argparse.Namespace) -> int:
     from labkit.course import select
-    from labkit.runner import run_labs
+    from labkit.runner import RunStopped, run_labs
 
     try:
         labs = select(args.labs)
@@ -19,6 +19,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:
+        print(f"labkit run: {exc}; the kernel and its ranks were stopped; "
+              f"report of the finished labs: {Path(args.out) / 'report.md'}", file=sys.stderr)
+        return 128 + exc.signum
     for run in runs:
         print(f"lab {run.lab.number} {run.lab.slug}: {'passed' if run.passed else 'FAILED'} ({run.seconds:.0f} s)")
     print(f"report: {Path(args.out) / 'report.md'} and report.html")

@@ -3,6 +3,13 @@
 Each lab runs in its own kernel (nbclient), so a failing lab does not stop the
 others; its executed notebook, its figures (PNG) and its key measured figures are
 kept under ``--out``, and ``report.md`` / ``report.html`` put them on one page.
+
+SIGINT and SIGTERM stop the whole run: the kernel's process group is killed
+(its ranks die with it, see :func:`labkit.launcher.die_with_parent`), the report
+covers the labs that finished, and the command exits 128 + the signal number.
+nbclient runs in a worker thread so that these signals reach the runner itself:
+in the main thread nbclient installs its own handlers, which kill the current
+kernel and then go on to the next lab.
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ from __future__ import annotations
 import base64
 import html
 import os
+import queue
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +33,18 @@ from tqdm.auto import tqdm
 from labkit import results
 from labkit.course import Lab, notebooks_dir
 from labkit.devices import describe_machine
+from labkit.launcher import kill_group
+
+SHELL_POLL_SLICE_S = 1.0
+"""Longest single wait on the kernel's shell socket before its state is checked afresh."""
+
+
+class RunStopped(Exception):
+    """SIGTERM or SIGINT reached ``labkit run``; carries the signal number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
 @dataclass
@@ -52,18 +74,80 @@ def check_out_dir(out: Path) -> Path:
     return out
 
 
+def _in_slices(get_msg):
+    """Wrap a kernel channel's async ``get_msg`` so that no single wait exceeds a slice.
+
+    pyzmq's asyncio poll waits for an edge on the socket's file descriptor; a
+    send on the same socket while the wait is pending can consume that edge, and
+    an unbounded wait then never returns (jupyter/nbclient#312). A wait that ends
+    by timeout re-checks the socket's level state, so slicing bounds a missed
+    edge to one slice.
+    """
+
+    async def get_msg_in_slices(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await get_msg(timeout=SHELL_POLL_SLICE_S if remaining is None
+                                     else min(SHELL_POLL_SLICE_S, remaining))
+            except queue.Empty:
+                if remaining is not None and remaining <= SHELL_POLL_SLICE_S:
+                    raise
+
+    return get_msg_in_slices
+
+
 class _ProgressClient(NotebookClient):
-    """An nbclient that advances a tqdm bar per cell."""
+    """An nbclient that advances a tqdm bar per cell, knows its cell and its kernel's pid."""
 
     def __init__(self, nb, bar: tqdm, **kwargs):
         super().__init__(nb, **kwargs)
         self.bar = bar
+        self.cell_index: int | None = None
+
+    async def async_start_new_kernel_client(self):
+        kc = await super().async_start_new_kernel_client()
+        kc.shell_channel.get_msg = _in_slices(kc.shell_channel.get_msg)
+        return kc
 
     async def async_execute_cell(self, cell, cell_index, **kwargs):
+        self.cell_index = cell_index
         try:
             return await super().async_execute_cell(cell, cell_index, **kwargs)
         finally:
             self.bar.update(1)
+
+    def kernel_pid(self) -> int | None:
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        return getattr(process, "pid", None)
+
+
+def _execute(client: _ProgressClient) -> str:
+    """Run every cell; the error text for the report, or "" when every cell passed."""
+    try:
+        client.execute()
+        return ""
+    except CellExecutionError as exc:
+        return f"cell {client.cell_index}: " + _short_error(str(exc))
+    except Exception as exc:  # noqa: BLE001 - the report shows any failure instead of crashing
+        where = f"cell {client.cell_index}: " if client.cell_index is not None else ""
+        return f"{where}{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+
+
+def _execute_stoppably(client: _ProgressClient) -> str:
+    """:func:`_execute` in a worker thread; on a signal, kill the kernel's group and re-raise."""
+    outcome: list[str] = []
+    worker = threading.Thread(target=lambda: outcome.append(_execute(client)), name="labkit-nbclient", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except BaseException:
+        kill_group(client.kernel_pid())
+        worker.join(30)
+        raise
+    return outcome[0]
 
 
 def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -> LabRun:
@@ -79,16 +163,11 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
     if profile:
         os.environ["LABKIT_PROFILE"] = profile
     start = time.perf_counter()
-    error = ""
     with tqdm(total=len(nb.cells), desc=f"lab {lab.number} {lab.slug}", unit="cell") as bar:
         client = _ProgressClient(nb, bar, timeout=timeout_s, kernel_name="python3",
                                  resources={"metadata": {"path": str(source.parent)}})
         try:
-            client.execute()
-        except CellExecutionError as exc:
-            error = _short_error(str(exc))
-        except Exception as exc:  # noqa: BLE001 - the report shows any failure instead of crashing
-            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+            error = _execute_stoppably(client)
         finally:
             os.environ.clear()
             os.environ.update(env_before)
@@ -116,10 +195,24 @@ def _save_images(nb, lab_dir: Path) -> list[Path]:
 
 
 def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None) -> list[LabRun]:
+    """Run ``labs`` in order; on SIGTERM or SIGINT stop, report what finished, raise :class:`RunStopped`."""
     out = check_out_dir(out)
-    runs = [run_lab(lab, out, profile=profile) for lab in labs]
-    write_report(runs, out)
+    runs: list[LabRun] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, _raise_stop)
+    try:
+        for lab in labs:
+            runs.append(run_lab(lab, out, profile=profile))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        write_report(runs, out)
     return runs
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise RunStopped(signum)
 
 
 def write_report(runs: list[LabRun], out: Path) -> tuple[Path, Path]:

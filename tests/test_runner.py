@@ -57,3 +57,30 @@ def test_out_dir_is_made_absolute_because_kernels_run_in_notebooks(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)
     assert check_out_dir(Path("runs/x")) == tmp_path / "runs" / "x"
+
+
+def test_shell_waits_are_sliced_so_a_missed_wakeup_costs_one_slice(monkeypatch):
+    """nbclient waits on the shell socket without a timeout; a missed edge then hangs the run (nbclient#312)."""
+    import asyncio
+    import queue
+
+    from labkit import runner
+
+    monkeypatch.setattr(runner, "SHELL_POLL_SLICE_S", 0.01)
+    waits = []
+
+    async def get_msg(timeout=None):
+        waits.append(timeout)
+        if len(waits) < 4:
+            raise queue.Empty
+        return {"msg": "reply"}
+
+    assert asyncio.run(runner._in_slices(get_msg)(timeout=None)) == {"msg": "reply"}
+    assert waits == [0.01] * 4
+
+    async def never(timeout=None):
+        await asyncio.sleep(timeout)
+        raise queue.Empty
+
+    with pytest.raises(queue.Empty):
+        asyncio.run(runner._in_slices(never)(timeout=0.05))

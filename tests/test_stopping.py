@@ -1,0 +1,103 @@
+"""Stopping a run leaves nothing behind: SIGTERM or SIGKILL to `labkit run`, a kernel interrupt mid-launch.
+
+Every process a run starts inherits a tag in its environment; after the stop, no live process carries it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH_HANGING_RANKS = ("from labkit.launcher import launch\nfrom tests import rankfns\n"
+                        "launch(rankfns.hanging_rank, 2, timeout_s=300, pid_dir={pid_dir!r})")
+
+
+def _tagged(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``tag``."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"LABKIT_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes() and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _env(tag: str) -> dict[str, str]:
+    return {**os.environ, "LABKIT_TEST_TAG": tag, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+
+
+@pytest.fixture()
+def hanging_lab(tmp_path):
+    """A one-lab course whose only code cell launches two ranks that never finish."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(LAUNCH_HANGING_RANKS.format(pid_dir=str(pid_dir)))]
+    nbformat.write(nb, notebooks / "01_input_pipeline.ipynb")
+    runner = ("import sys; from pathlib import Path; from labkit import runner, cli; "
+              f"runner.notebooks_dir = lambda: Path({str(notebooks)!r}); "
+              f"sys.exit(cli.main(['run', '1', '--out', {str(tmp_path / 'out')!r}]))")
+    return runner, pid_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_stopping_labkit_run_mid_lab_leaves_no_process(hanging_lab, sig):
+    runner, pid_dir = hanging_lab
+    tag = uuid.uuid4().hex
+    run = subprocess.Popen([sys.executable, "-c", runner], env=_env(tag), cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: len(list(pid_dir.glob("*.pid"))) == 2, 120, "both ranks to start")
+        run.send_signal(sig)
+        code = run.wait(timeout=30)
+        _wait_for(lambda: not _tagged(tag), 15, f"every tagged process to end (left: {_tagged(tag)})")
+    finally:
+        run.kill()
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    if sig != signal.SIGKILL:
+        assert code == 128 + sig, run.stdout.read()
+
+
+@pytest.mark.slow
+def test_interrupting_a_cell_that_launched_ranks_stops_them_and_the_next_cell_works(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    tag = uuid.uuid4().hex
+    km, kc = start_new_kernel(kernel_name="python3", env=_env(tag), cwd=str(REPO))
+    try:
+        kc.execute(LAUNCH_HANGING_RANKS.format(pid_dir=str(tmp_path)))
+        _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, 120, "both ranks to start")
+        rank_pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=30)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        _wait_for(lambda: not set(rank_pids) & set(_tagged(tag)), 15, "the ranks to end")
+        reply = kc.execute_interactive("print(6 * 7)", timeout=30, output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    _wait_for(lambda: not _tagged(tag), 15, "the kernel to end")
