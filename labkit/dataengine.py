@@ -111,6 +111,21 @@ SKIP_RAY_ENV = "LABKIT_SKIP_RAY"
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
 
+def use_native_runner(num_threads: int | None = None) -> None:
+    """Run Daft in this process with its local native runner.
+
+    Daft fixes a process's runner on first use and refuses a second call, so a
+    notebook run twice in one kernel would fail in its first cell. A process
+    already on the native runner keeps it (with the thread count it was given
+    first); a process on another runner is still an error.
+    """
+    try:
+        daft.set_runner_native(num_threads=num_threads)
+    except Exception as err:  # noqa: BLE001 - Daft raises its own core exception type
+        if "more than once" not in str(err) or daft.get_or_infer_runner_type() != "native":
+            raise
+
+
 def _check_positive(**values: float) -> None:
     for name, value in values.items():
         if value < 1:
@@ -594,7 +609,7 @@ def run_pipeline(
             ray.init(include_dashboard=False, log_to_driver=False, num_cpus=num_threads)
         daft.set_runner_ray(address=ray_address)
     else:
-        daft.set_runner_native(num_threads=num_threads)
+        use_native_runner(num_threads)
     start = time.perf_counter()
     frame = decode_pipeline(read_catalog(catalog).sort("image_id").limit(limit), image_px)
     images = label_sum = pixel_sum = 0

@@ -232,3 +232,14 @@ def test_stage_table_charges_each_stage_its_cut_minus_the_one_before():
     assert dataengine.stage_table(engine, pil, resizer="daft")["resize"][1] == pytest.approx(0.35)
     with pytest.raises(ValueError, match="resizer must be one of"):
         dataengine.stage_table(engine, pil, resizer="bicubic")
+
+
+def test_the_native_runner_can_be_asked_for_twice_in_one_process():
+    """Run All twice in one kernel: the second first cell must not fail on Daft's set-once runner."""
+    import subprocess
+    import sys
+
+    code = "from labkit import dataengine; dataengine.use_native_runner(); dataengine.use_native_runner(); print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "DAFT_ANALYTICS_ENABLED": "0"})
+    assert done.stdout.strip().endswith("ok"), done.stderr
