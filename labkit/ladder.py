@@ -229,17 +229,16 @@ def loader_explorer(per_worker_images_per_s: float):
     """Sliders: how fast is your accelerator, how many workers? -> the busy fraction decoding allows."""
     import ipywidgets as widgets
 
-    output = widgets.HTML()
-    accel = widgets.FloatLogSlider(value=8000, base=10, min=2, max=5.5, description="accel img/s")
-    workers = widgets.IntSlider(value=2, min=0, max=64, description="workers")
+    from labkit.widgets import live
 
-    def update(_=None) -> None:
-        busy = loader_bound_busy_fraction(accel.value, per_worker_images_per_s, workers.value)
-        need = workers_needed(accel.value, per_worker_images_per_s)
-        output.value = (f"decode-bound busy fraction: <b>{busy:.2f}</b>; workers (cores) needed for 0.95: "
-                        f"<b>{need}</b> at {per_worker_images_per_s:.0f} images/s per worker")
+    def render(accelerator_images_per_s: float, workers: int) -> str:
+        busy = loader_bound_busy_fraction(accelerator_images_per_s, per_worker_images_per_s, workers)
+        need = workers_needed(accelerator_images_per_s, per_worker_images_per_s)
+        return (f"decode-bound busy fraction: {busy:.2f}; workers (cores) needed for 0.95: "
+                f"{need} at {per_worker_images_per_s:.0f} images/s per worker")
 
-    accel.observe(update, "value")
-    workers.observe(update, "value")
-    update()
-    return widgets.VBox([accel, workers, output])
+    return live(render, {
+        "accelerator_images_per_s": widgets.FloatLogSlider(value=8000, base=10, min=2, max=5.5,
+                                                           description="accel img/s"),
+        "workers": widgets.IntSlider(value=2, min=0, max=64, description="workers"),
+    })
