@@ -17,7 +17,11 @@ A checkpoint without a manifest, or whose files do not match it, is not a
 checkpoint: :func:`load_latest` skips it with a warning and falls back to the
 previous one. A process killed at any instant therefore leaves either the new
 checkpoint complete or the previous one in charge. Pruning to the last ``keep``
-checkpoints deletes the manifest first for the same reason.
+checkpoints deletes the manifest first for the same reason. A *committed*
+checkpoint that cannot be used -- another format version, or content that
+``torch.load(weights_only=True)`` refuses -- is no crash's doing, and falling back
+would silently throw away its progress: that raises :class:`CheckpointError`.
+Savers refuse such content before it reaches the disk (:func:`check_loadable`).
 
 :func:`capture_training_state` / :func:`restore_training_state` cover everything
 a resumed run needs to continue bit-identically on the CPU: model, optimizer, the
@@ -35,6 +39,7 @@ import threading
 import time
 import warnings
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -49,6 +54,13 @@ MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_PREFIX = "step-"
 _CHUNK_BYTES = 8 << 20
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
+_CONTAINER_TYPES = (dict, OrderedDict, list, tuple, set)
+ALLOWED_TYPES = "int, float, str, bool, None, bytes, torch tensors, and lists, tuples, sets or dicts of them"
+
+
+class CheckpointError(RuntimeError):
+    """A committed checkpoint that cannot be used; falling back would lose its progress."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +94,42 @@ def step_dir(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"{_STEP_PREFIX}{step:09d}"
 
 
+def check_loadable(value: Any, where: str = "state") -> None:
+    """Raise ValueError if ``value`` holds anything ``torch.load(weights_only=True)`` refuses.
+
+    Checkpoints are loaded that way so that loading cannot run code. A value it
+    refuses (a numpy scalar is the usual culprit) makes the checkpoint unloadable,
+    and nobody finds out until the restart that needs it. Types are matched
+    exactly: ``np.float64`` subclasses ``float`` but pickles as numpy. The walk
+    touches no tensor data, so it costs microseconds per thousand entries.
+    """
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _PLAIN_TYPES:
+        return
+    if kind in (dict, OrderedDict):
+        for key, item in value.items():
+            check_loadable(key, f"a key of {where}")
+            check_loadable(item, f"{where}[{key!r}]")
+        return
+    if kind in _CONTAINER_TYPES:
+        for index, item in enumerate(value):
+            check_loadable(item, f"{where}[{index}]")
+        return
+    fix = "convert it to a plain Python value"
+    if kind.__module__.split(".")[0] == "numpy":
+        fix = "convert numpy scalars with .item() and arrays with torch.from_numpy"
+    raise ValueError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}, which torch.load(weights_only=True) "
+        f"refuses, so the checkpoint could never be loaded; {fix}. Allowed: {ALLOWED_TYPES}"
+    )
+
+
 def _check_args(step: int, state: Any) -> None:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if not isinstance(state, dict):
         raise ValueError(f"state must be a dict, got {type(state).__name__}")
+    check_loadable(state)
 
 
 def _check_keep(keep: int) -> None:
@@ -136,8 +179,10 @@ def write_checkpoint(directory: str | Path, step: int, state: dict) -> tuple[Pat
     """Write ``state`` as checkpoint ``step`` and commit it; returns (folder, bytes).
 
     Order matters: state file via temporary + fsync + rename, then the manifest
-    (itself atomic). Rewriting an existing step un-commits it first.
+    (itself atomic). Rewriting an existing step un-commits it first. A state that
+    could not be loaded back is refused before anything is written.
     """
+    check_loadable(state)
     directory = Path(directory)
     folder = step_dir(directory, step)
     created = not folder.exists()
@@ -173,14 +218,33 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
+def _check_format(folder: Path, manifest: dict) -> None:
+    found = manifest.get("format")
+    if found == FORMAT_VERSION:
+        return
+    what = "no format version in its manifest" if found is None else f"format {found!r}"
+    raise CheckpointError(
+        f"{folder}: {what}, but this labkit reads format {FORMAT_VERSION}. Load it with the labkit "
+        f"that wrote it, or move the folder out of {folder.parent} to resume from an older checkpoint"
+    )
+
+
 def verify(folder: str | Path) -> str | None:
-    """``None`` if ``folder`` is a complete checkpoint, else why it is not."""
+    """``None`` if ``folder`` is a complete checkpoint, else why it is not.
+
+    Raises :class:`CheckpointError` for a committed checkpoint of another format
+    version: that is not damage to skip but a mismatch to fix. The manifest is
+    written atomically, so one that parses is a real commit.
+    """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.exists():
         return "no manifest (the save never committed)"
     try:
         manifest = json.loads(manifest_path.read_text())
+        if not isinstance(manifest, dict):
+            raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
+        _check_format(folder, manifest)
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable manifest ({exc})"
@@ -198,23 +262,56 @@ def verify(folder: str | Path) -> str | None:
     return None
 
 
+def _unloadable(folder: Path, exc: Exception) -> CheckpointError:
+    text = str(exc).split("WeightsUnpickler error: ")[-1].strip()
+    reason = text.splitlines()[0].split(". ")[0] if text else "no message"
+    return CheckpointError(
+        f"{folder}: {STATE_FILE} does not load with torch.load(weights_only=True) "
+        f"({type(exc).__name__}: {reason}), yet it is committed and matches its checksum: whatever "
+        f"wrote it saved something unloadable, and older checkpoints of the run likely hold the same. "
+        f"Fix the writer (labkit.checkpoint.check_loadable names the bad value), or move the folder "
+        f"aside to resume from an older checkpoint on purpose"
+    )
+
+
 def load_latest(directory: str | Path) -> Checkpoint | None:
     """The newest complete and verified checkpoint in ``directory``, or ``None``.
 
-    Torn or corrupt checkpoints are skipped with a warning; the previous one is
-    returned instead. Loading never modifies the directory.
+    Torn or corrupt checkpoints (what a crash or a bad disk leaves) are skipped
+    with a warning; the previous one is returned instead. A committed checkpoint
+    that verifies but cannot be used raises :class:`CheckpointError`: skipping it
+    would silently discard progress. Loading never modifies the directory.
     """
     for step, folder in list_checkpoints(directory):
         problem = verify(folder)
         if problem is None:
             try:
                 state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - a checksummed file that will not load is still corrupt
-                problem = f"{STATE_FILE} does not load ({type(exc).__name__}: {exc})"
+            except Exception as exc:  # noqa: BLE001 - classified just below
+                problem = verify(folder)  # not None only if a concurrent prune removed it meanwhile
+                if problem is None:
+                    raise _unloadable(folder, exc) from exc
             else:
                 return Checkpoint(step=step, state=state, path=folder)
         warnings.warn(f"skipping checkpoint {folder}: {problem}", RuntimeWarning, stacklevel=2)
     return None
+
+
+def load_for_resume(directory: str | Path) -> Checkpoint | None:
+    """What a restarted run resumes from: :func:`load_latest`, where ``None`` means
+    that nothing was ever committed. If checkpoints were committed but none of them
+    verifies, starting again from step 0 would silently throw the run away: raise.
+    """
+    latest = load_latest(directory)
+    if latest is None:
+        committed = [folder.name for _, folder in list_checkpoints(directory) if (folder / MANIFEST_FILE).exists()]
+        if committed:
+            raise CheckpointError(
+                f"{directory} holds committed checkpoints {committed} but none of them verifies (see the "
+                f"warnings above); refusing to restart from step 0. Restore them from a copy, or delete "
+                f"{directory} to start the run over on purpose"
+            )
+    return latest
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:
@@ -453,11 +550,14 @@ def capture_training_state(
     """Everything a run needs to resume exactly where it stopped.
 
     Tensors are *references* to live state (cheap); the savers copy or serialise
-    them. ``extra`` must hold plain data (numbers, strings, lists, dicts, tensors):
-    checkpoints are loaded with ``weights_only=True`` so that loading cannot run code.
+    them. ``extra`` must hold plain data (:data:`ALLOWED_TYPES`): checkpoints are
+    loaded with ``weights_only=True`` so that loading cannot run code, and a value
+    that load would refuse is rejected here, naming its key, rather than at the restart.
     """
     if not isinstance(loader_position, int) or loader_position < 0:
         raise ValueError(f"loader_position must be an int >= 0, got {loader_position!r}")
+    extra = dict(extra or {})
+    check_loadable(extra, "extra")
     rng = {
         "python": random.getstate(),
         "numpy": _numpy_rng_state(),
@@ -470,7 +570,7 @@ def capture_training_state(
         "optimizer": optimizer.state_dict(),
         "rng": rng,
         "loader_position": loader_position,
-        "extra": dict(extra or {}),
+        "extra": extra,
     }
 
 

@@ -15,7 +15,9 @@ cost. This module is that loop, on real processes:
 * :func:`supervise` -- the supervisor: starts every rank in its own process
   group, watches exit codes, heartbeats, step-time outliers and non-finite
   losses, and on a failure kills the remaining ranks, cordons the node, swaps in
-  a spare and relaunches. It never leaves a process behind.
+  a spare and relaunches. A failure no node could fix (a typo in the arguments,
+  an unloadable checkpoint) stops the run with the rank's traceback instead
+  (:mod:`labkit.triage`). It never leaves a process behind.
 * :func:`goodput` -- useful steps vs lost work vs restart vs checkpoint overhead,
   beside the Young/Daly model (:mod:`labkit.interval`).
 
@@ -55,6 +57,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from labkit import triage
 from labkit.launcher import check_backend, free_port
 
 FAULT_KINDS = ("kill", "hang", "straggle", "nan")
@@ -197,6 +200,9 @@ def train_rank(
 ) -> dict:
     """One rank of the supervised job; resumes from the newest verified checkpoint.
 
+    A committed checkpoint that will not load raises (:func:`labkit.checkpoint.load_for_resume`)
+    rather than quietly starting again from step 0.
+
     Data-parallel SGD with momentum: every rank computes gradients on its own
     batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the
     state after ``k`` steps (``loader_position=k``).
@@ -204,7 +210,7 @@ def train_rank(
     import torch
     import torch.distributed as dist
 
-    from labkit.checkpoint import AsyncSaver, SyncSaver, capture_training_state, load_latest, restore_training_state
+    from labkit.checkpoint import AsyncSaver, SyncSaver, capture_training_state, load_for_resume, restore_training_state
 
     if saver not in ("async", "sync"):
         raise ValueError(f"saver must be 'async' or 'sync', got {saver!r}")
@@ -218,7 +224,7 @@ def train_rank(
     torch.manual_seed(seed)
     model = make_model(features, hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    latest = load_latest(run_path / "checkpoints")
+    latest = load_for_resume(run_path / "checkpoints")
     start_step = restore_training_state(latest.state, model, optimizer) if latest else 0
     agreed = torch.tensor([start_step, -start_step], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -404,7 +410,11 @@ class RunReport:
 
 
 class RecoveryError(RuntimeError):
-    pass
+    """The run cannot go on; ``rank_traceback`` is the failing rank's, where it reported one."""
+
+    def __init__(self, message: str, rank_traceback: str | None = None):
+        super().__init__(message)
+        self.rank_traceback = rank_traceback
 
 
 def _read_new(path: Path, offsets: dict[Path, int]) -> list[dict]:
@@ -458,11 +468,17 @@ class _Watch:
     straggler: tuple[int, str] | None = None
     steps_seen: int = 0
     done: set[int] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)
+    errors: dict[int, dict] = field(default_factory=dict)
 
     def feed(self, rank: int, record: dict) -> None:
         self.last_t[rank] = record["t"]
         event = record["event"]
-        if event == "computed":
+        if event == "ready":
+            self.ready.add(rank)
+        elif event == "error":
+            self.errors[rank] = record
+        elif event == "computed":
             self.progress[rank] = (record["step"], 1)
         elif event == "step":
             self.progress[rank] = (record["step"], 2)
@@ -513,6 +529,12 @@ def supervise(
     rank logs) is wiped first if it holds a previous run and refused if it holds
     anything else. ``progress`` is an optional tqdm bar advanced per step of rank 0.
 
+    A hang is recovered wherever it strikes: ranks have ``startup_timeout_s`` to
+    report ready, then ``heartbeat_timeout_s`` of silence means a hang, first step
+    included. A failure no spare can fix -- an exception from the program itself,
+    or the same failure before a first step on two nodes in a row -- raises
+    :class:`RecoveryError` carrying the rank's traceback (:mod:`labkit.triage`).
+
     ``warm_standby=True`` boots ``world_size`` spare *processes* (torch imported,
     waiting for orders) once an attempt is training, so a relaunch can skip process
     start and imports -- the bulk of a restart here. It only pays when failures are
@@ -548,6 +570,7 @@ def supervise(
     report = RunReport(run_path, world_size, plan, [], [], [], time.time(), 0.0)
     all_procs: list[subprocess.Popen] = []
     warm: deque[subprocess.Popen] = deque()
+    judge = triage.RetryJudge()
     try:
         for attempt in range(max_restarts + 1):
             procs = _launch_attempt(run_path, run_id, attempt, assignment, nodes, plan, train_kwargs,
@@ -570,15 +593,9 @@ def supervise(
                 _kill_group(proc)
             if outcome is None:
                 break
-            cause, rank, detail, t_detect = outcome
-            fired = [r for r in report.records[attempt].get(rank, []) if r["event"] == "fault"]
-            matched = next((r for r in fired if CAUSE_OF_FAULT[r["kind"]] == cause), None)
-            failed_node = nodes[assignment[rank]]
-            report.detections.append(Detection(
-                attempt, cause, rank, failed_node, t_detect, detail,
-                matched["fault_id"] if matched else None, matched["t"] if matched else None,
-            ))
-            report.cordoned.append(failed_node)
+            _stop_if_no_node_can_help(report, attempt, outcome, judge)
+            cause, rank, detail, _ = outcome
+            failed_node = _record_detection(report, attempt, outcome, nodes[assignment[rank]])
             if not standby:
                 raise RecoveryError(
                     f"{failed_node} (rank {rank}) failed ({cause}: {detail}) and no healthy spare is left; "
@@ -598,6 +615,35 @@ def supervise(
         report.t_end = time.time()
         report.leftover_pids = leftover_processes(run_id)
     return report
+
+
+def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, str, float], node: str) -> str:
+    """Note the failure (matched to the injected fault that explains it, if any) and cordon its node."""
+    cause, rank, detail, t_detect = outcome
+    fired = [r for r in report.records[attempt].get(rank, []) if r["event"] == "fault"]
+    matched = next((r for r in fired if CAUSE_OF_FAULT[r["kind"]] == cause), None)
+    report.detections.append(Detection(
+        attempt, cause, rank, node, t_detect, detail,
+        matched["fault_id"] if matched else None, matched["t"] if matched else None,
+    ))
+    report.cordoned.append(node)
+    return node
+
+
+def _stop_if_no_node_can_help(
+    report: RunReport, attempt: int, outcome: tuple[str, int, str, float], judge: triage.RetryJudge
+) -> None:
+    """Raise RecoveryError, with the rank's traceback, for a failure a spare cannot fix."""
+    cause, rank, _, _ = outcome
+    errors = [r for r in report.records[attempt].get(rank, []) if r["event"] == "error"]
+    error = errors[-1] if cause == "exit" and errors else None
+    reason = judge.why_stop(cause, rank, error, report.attempts[attempt].t_first_step_end is not None)
+    if reason is None:
+        return
+    log = report.run_dir / f"attempt-{attempt:03d}" / f"rank{rank}.log"
+    shown = f"the rank's traceback:\n{error['traceback']}" if error else f"the rank's log is {log}"
+    raise RecoveryError(f"attempt {attempt} stopped instead of retrying on a spare: {reason}. "
+                        f"Fix it and rerun; {shown}", error["traceback"] if error else None)
 
 
 def _start_standby(run_path: Path, run_id: str) -> subprocess.Popen:
@@ -695,25 +741,50 @@ def _watch_attempt(
             if watch.nonfinite:
                 rank = min(watch.nonfinite)
                 return "nonfinite", rank, f"loss {watch.nonfinite[rank]['loss']}", now
-            rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return "exit", rank, how, now
+            return ("exit", *_exit_verdict(failed, watch.errors), now)
         if watch.straggler is not None:
             return "straggler", watch.straggler[0], watch.straggler[1], now
         if watch.steps_seen and on_training is not None:
             on_training()
             on_training = None
-        if watch.steps_seen == 0:
-            if now - t_launch > startup_timeout_s:
-                raise RecoveryError(
-                    f"attempt {attempt}: no rank finished a step within startup_timeout_s={startup_timeout_s:g}s; "
-                    f"see {attempt_dir}/rank*.log"
-                )
-        elif now - max(watch.last_t.values()) > heartbeat_timeout_s:
-            rank = min(set(range(len(procs))) - watch.done, key=lambda r: (watch.progress.get(r, (-1, 0)), r))
-            stalled = watch.progress.get(rank, (-1, 0))
-            return "hang", rank, f"no heartbeat for {heartbeat_timeout_s:g}s; rank {rank} stuck after step {stalled[0]}", now
+        silence = _silence_verdict(watch, len(procs), now, now - t_launch, heartbeat_timeout_s, startup_timeout_s)
+        if silence is not None:
+            return ("hang", *silence, now)
         time.sleep(poll_s)
+
+
+def _exit_verdict(failed: list[tuple[int, int]], errors: dict[int, dict]) -> tuple[int, str]:
+    """(blamed rank, how it ended) among the ranks that exited (see :func:`labkit.triage.blame`)."""
+    rank, code = triage.blame(failed, errors)
+    how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    if rank in errors:
+        how += f" ({errors[rank]['error_type']}: {errors[rank]['message'][:200]})"
+    return rank, how
+
+
+def _silence_verdict(
+    watch: _Watch, world_size: int, now: float, since_launch_s: float,
+    heartbeat_timeout_s: float, startup_timeout_s: float,
+) -> tuple[int, str] | None:
+    """A hang, wherever it strikes: (blamed rank, detail), or None.
+
+    Starting up (imports, rendezvous, loading the checkpoint) may take up to
+    ``startup_timeout_s``. Once every rank has reported ready, silence from all of
+    them for ``heartbeat_timeout_s`` is a hang, at the attempt's first step as at
+    its hundredth (the others wait for the hung rank in the all-reduce): both are
+    recovered the same way, from the last checkpoint on a spare.
+    """
+    if len(watch.ready) < world_size:
+        if since_launch_s <= startup_timeout_s:
+            return None
+        rank = min(set(range(world_size)) - watch.ready)
+        return rank, f"rank {rank} was not ready within startup_timeout_s={startup_timeout_s:g}s"
+    if now - max(watch.last_t.values()) <= heartbeat_timeout_s:
+        return None
+    rank = min(set(range(world_size)) - watch.done, key=lambda r: (watch.progress.get(r, (-1, 0)), r))
+    stalled = watch.progress.get(rank, (-1, 0))[0]
+    where = f"after step {stalled}" if stalled >= 0 else "before its first step"
+    return rank, f"no heartbeat for {heartbeat_timeout_s:g}s; rank {rank} stuck {where}"
 
 
 def _wait_for_exit(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -943,6 +1014,15 @@ def init_group_for_attempt(backend: str, timeout_s: float) -> None:
                             rank=rank, world_size=world_size, timeout=timeout)
 
 
+def _report_error(run_path: Path, exc: Exception) -> None:
+    """Log the exception that ends this rank, so the supervisor can tell a bug from a bad node."""
+    try:
+        log = _EventLog(run_path / f"attempt-{restart_count():03d}" / f"rank{os.environ['RANK']}.jsonl")
+        log.write("error", **triage.error_record(exc))
+    except Exception:  # noqa: BLE001 - never hide the exception being reported
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of one rank, under the supervisor or torchrun."""
     import argparse
@@ -978,9 +1058,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["LABKIT_BACKEND"] = backend
     if backend == "gloo":
         torch.set_num_threads(1)
-    init_group_for_attempt(backend, float(os.environ.get("LABKIT_TIMEOUT_S", 1800)))
     try:
+        init_group_for_attempt(backend, float(os.environ.get("LABKIT_TIMEOUT_S", 1800)))
         result = train_rank(**kwargs)
+    except Exception as exc:
+        _report_error(Path(kwargs["run_dir"]), exc)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

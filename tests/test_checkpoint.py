@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,15 @@ import pytest
 import torch
 
 from labkit.checkpoint import (
+    FORMAT_VERSION,
     MANIFEST_FILE,
     STATE_FILE,
     AsyncSaver,
+    CheckpointError,
     SyncSaver,
     capture_training_state,
     list_checkpoints,
+    load_for_resume,
     load_latest,
     restore_training_state,
     step_dir,
@@ -254,3 +258,95 @@ def test_async_save_blocks_training_less_than_sync_and_costs_one_copy_of_host_me
     assert async_.mean_blocked_s < sync.mean_blocked_s
     assert async_.peak_rss_added_bytes > 0.5 * async_.state_bytes
     assert [s.step for s in async_.saves] == [2, 4]
+
+
+def _tiny_model():
+    model = torch.nn.Linear(2, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [({"epoch": np.int64(3)}, r"extra\['epoch'\]"),
+     ({"history": [1.0, np.float64(2.0)]}, r"extra\['history'\]\[1\]"),
+     ({"sampler": {"order": np.arange(3)}}, r"extra\['sampler'\]\['order'\]")],
+)
+def test_extra_that_a_safe_load_would_refuse_is_rejected_when_captured(extra, where):
+    """np.int64(3) once made every checkpoint of a run unloadable, found only at the restart."""
+    model, optimizer = _tiny_model()
+    with pytest.raises(ValueError, match=where) as info:
+        capture_training_state(model, optimizer, loader_position=0, extra=extra)
+    assert "numpy" in str(info.value) and "int, float, str, bool, None" in str(info.value)
+
+
+def test_plain_extra_is_accepted_and_round_trips(tmp_path):
+    model, optimizer = _tiny_model()
+    extra = {"epoch": 3, "name": "run-a", "scale": torch.tensor(0.5), "seen": {"ids": [1, 2], "ok": (True, None)}}
+    with SyncSaver(tmp_path) as saver:
+        saver.save(1, capture_training_state(model, optimizer, loader_position=1, extra=extra))
+    loaded = load_latest(tmp_path).state["extra"]
+    assert loaded["seen"] == {"ids": [1, 2], "ok": (True, None)} and loaded["epoch"] == 3
+
+
+@pytest.mark.parametrize("saver_cls", [SyncSaver, AsyncSaver])
+def test_savers_refuse_a_state_that_could_not_be_loaded_back_and_write_nothing(tmp_path, saver_cls):
+    with saver_cls(tmp_path) as saver:
+        with pytest.raises(ValueError, match=r"state\['meta'\]\['lr'\] is a numpy.float32"):
+            saver.save(1, {"weights": torch.ones(3), "meta": {"lr": np.float32(0.1)}})
+    assert list_checkpoints(tmp_path) == []
+
+
+def _plant(directory: Path, step: int, state: dict, format_version=FORMAT_VERSION) -> Path:
+    """A committed checkpoint written by hand, as an older labkit (or a bug) would have."""
+    folder = step_dir(directory, step)
+    folder.mkdir(parents=True)
+    torch.save(state, folder / STATE_FILE)
+    data = (folder / STATE_FILE).read_bytes()
+    manifest = {"step": step, "files": {STATE_FILE: {"bytes": len(data), "crc32": zlib.crc32(data)}}}
+    if format_version is not None:
+        manifest["format"] = format_version
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return folder
+
+
+def test_a_committed_checkpoint_that_does_not_load_is_a_loud_error_not_a_fallback(tmp_path):
+    with SyncSaver(tmp_path) as saver:
+        saver.save(1, _state(1))
+    bad = _plant(tmp_path, 2, {"weights": torch.ones(3), "epoch": np.int64(3)})
+    with pytest.raises(CheckpointError, match=f"{bad}.*does not load") as info:
+        load_latest(tmp_path)
+    assert "weights_only" in str(info.value)
+
+
+def test_when_every_committed_checkpoint_is_damaged_resuming_refuses_to_start_over(tmp_path):
+    with SyncSaver(tmp_path) as saver:
+        newest = saver.save(1, _state(1)).path
+    (newest / STATE_FILE).write_bytes(b"not a checkpoint")
+    assert _quiet_load(tmp_path) is None
+    with pytest.raises(CheckpointError, match="refusing to restart from step 0"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            load_for_resume(tmp_path)
+    assert load_for_resume(tmp_path / "new-run") is None
+
+
+@pytest.mark.parametrize("found, says", [(99, "format 99"), (None, "no format version")])
+def test_a_checkpoint_of_another_format_is_refused_naming_the_folder_and_both_versions(tmp_path, found, says):
+    with SyncSaver(tmp_path) as saver:
+        saver.save(1, _state(1))
+    folder = _plant(tmp_path, 2, _state(2), format_version=found)
+    with pytest.raises(CheckpointError, match=f"{folder}: {says}") as info:
+        load_latest(tmp_path)
+    assert f"reads format {FORMAT_VERSION}" in str(info.value)
+    assert json.loads((step_dir(tmp_path, 1) / MANIFEST_FILE).read_text())["format"] == FORMAT_VERSION
+
+
+def test_crash_consistency_check_finds_the_committed_checkpoint_after_every_kill():
+    """A short run of benchmarks/crash_consistency.py: SIGKILLs at random instants of a
+    saving process, each followed by a load that must return the committed state bit for bit."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "crash_consistency.py"
+    done = subprocess.run([sys.executable, str(script), "--kills", "6", "--seed", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "6 kills" in done.stdout and "violations: 0" in done.stdout
+    assert done.stdout.count("3 loads OK") == 2 and "VIOLATION" not in done.stdout

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
+import torch
 
+from labkit import checkpoint, triage
 from labkit import recovery as rc
 from labkit.interval import young_daly_interval_s
 
@@ -189,3 +192,116 @@ def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
     while _alive(pids) and time.time() < deadline:
         time.sleep(0.2)
     assert _alive(pids) == [], "ranks notice their supervisor is gone and exit"
+
+
+@pytest.fixture()
+def one_rank_group(tmp_path, monkeypatch):
+    """train_rank in this process, as a world of one gloo rank."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv(rc.RESTART_VAR, raising=False)
+    monkeypatch.delenv(rc.TORCHELASTIC_RESTART_VAR, raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_checkpoint_does_not_load_fails_loudly_instead_of_starting_over(tmp_path, one_rank_group,
+                                                                                    monkeypatch):
+    """A numpy scalar once made Lab 8's checkpoints unloadable and its rank quietly restarted from step 0."""
+    model = rc.make_model(TINY["features"], TINY["hidden"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = checkpoint.capture_training_state(model, optimizer, loader_position=4)
+    state["extra"] = {"epoch": np.int64(1)}
+    monkeypatch.setattr(checkpoint, "check_loadable", lambda *args, **kwargs: None, raising=False)
+    with checkpoint.SyncSaver(tmp_path / "run" / "checkpoints") as saver:
+        saver.save(4, state)
+    monkeypatch.undo()
+    with pytest.raises(checkpoint.CheckpointError, match="step-000000004: state.pt does not load"):
+        rc.train_rank(str(tmp_path / "run"), **TINY)
+
+
+def _raise_inside_torch_distributed(exc: BaseException) -> BaseException:
+    """An exception whose innermost frame is in torch.distributed, as gloo's peer-lost error is."""
+    import torch.distributed.distributed_c10d as c10d
+
+    code = compile("raise exc", c10d.__file__, "exec")
+    try:
+        exec(code, {"exc": exc})
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    raise AssertionError("unreachable")
+
+
+def test_a_peer_lost_in_a_collective_is_the_network_and_a_typo_is_the_program():
+    lost_peer = _raise_inside_torch_distributed(RuntimeError("Connection closed by peer [127.0.0.1]:51860"))
+    assert triage.classify_exception(lost_peer) == triage.COMMUNICATION
+    assert triage.classify_exception(torch.distributed.DistNetworkError("store timed out")) == triage.COMMUNICATION
+    assert triage.classify_exception(TypeError("train_rank() got an unexpected keyword argument")) == triage.PROGRAM
+    try:
+        torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 5))
+    except RuntimeError as shape_bug:
+        assert triage.classify_exception(shape_bug) == triage.PROGRAM
+    assert triage.classify_exception(torch.AcceleratorError("CUDA error: uncorrectable ECC error")) == triage.DEVICE
+    record = triage.error_record(lost_peer)
+    assert record["error_type"] == "RuntimeError" and "Traceback" in record["traceback"]
+
+
+def test_the_rank_that_raised_is_blamed_not_the_peer_that_lost_it():
+    errors = {0: {"origin": triage.COMMUNICATION}, 1: {"origin": triage.PROGRAM}}
+    assert triage.blame([(0, 1), (1, 1)], errors) == (1, 1)
+    assert triage.blame([(0, 1), (1, -9)], {0: {"origin": triage.COMMUNICATION}}) == (1, -9)
+
+
+def test_a_failure_repeated_before_a_first_step_on_a_fresh_node_stops_the_run():
+    judge = triage.RetryJudge()
+    assert judge.why_stop("hang", 0, None, completed_a_step=False) is None, "the first time, retry on a spare"
+    assert "two nodes in a row" in judge.why_stop("hang", 0, None, completed_a_step=False)
+    judge = triage.RetryJudge()
+    assert judge.why_stop("hang", 0, None, completed_a_step=False) is None
+    assert judge.why_stop("exit", 1, None, completed_a_step=False) is None, "a different failure: retry"
+    assert judge.why_stop("exit", 1, None, completed_a_step=True) is None, "progress was made: retry"
+    assert judge.why_stop("exit", 1, None, completed_a_step=False) is None
+    assert "program" in triage.RetryJudge().why_stop(
+        "exit", 0, {"origin": triage.PROGRAM, "error_type": "TypeError", "message": "typo"}, completed_a_step=True)
+
+
+def _ready(watch: rc._Watch, ranks, t: float) -> None:
+    for rank in ranks:
+        watch.feed(rank, {"event": "ready", "t": t, "restored_step": 0})
+
+
+def test_silence_before_the_first_step_is_a_hang_once_every_rank_is_ready():
+    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    now = time.time()
+    _ready(watch, [0], now - 10)
+    assert rc._silence_verdict(watch, 2, now, 10.0, 2.0, 60.0) is None, "rank 1 is still starting up"
+    _ready(watch, [1], now - 9)
+    watch.feed(1, {"event": "computed", "t": now - 8, "step": 0})
+    rank, detail = rc._silence_verdict(watch, 2, now, 10.0, 2.0, 60.0)
+    assert rank == 0 and "before its first step" in detail
+    late = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    _ready(late, [1], now)
+    assert rc._silence_verdict(late, 2, now, 61.0, 2.0, 60.0) == (
+        0, "rank 0 was not ready within startup_timeout_s=60s")
+
+
+@pytest.mark.slow
+def test_a_typo_in_train_kwargs_stops_at_once_with_the_traceback_and_burns_no_spare(tmp_path):
+    with pytest.raises(rc.RecoveryError, match="TypeError") as info:
+        rc.supervise(tmp_path / "run", world_size=2, spares=2, hiden=64, **TINY)
+    assert "unexpected keyword argument 'hiden'" in str(info.value)
+    assert "Traceback" in info.value.rank_traceback and "not a node failure" in str(info.value)
+    assert sorted(p.name for p in (tmp_path / "run").glob("attempt-*")) == ["attempt-000"]
+
+
+@pytest.mark.slow
+def test_a_hang_at_the_first_step_is_recovered_like_any_other_hang(tmp_path, clean_run):
+    report = rc.supervise(tmp_path / "run", world_size=2, spares=1, faults=[rc.Fault("hang", 0, 0)],
+                          heartbeat_timeout_s=2.0, startup_timeout_s=40.0, **TINY)
+    assert report.injected == report.recovered == ["hang-rank0-step0"]
+    assert report.detections[0].cause == "hang" and report.attempts[1].restored_step == 0
+    assert rc.bit_identical(rc.final_weights(clean_run.run_dir), rc.final_weights(tmp_path / "run"))
+    assert report.leftover_pids == []
