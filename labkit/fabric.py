@@ -1,0 +1,337 @@
+"""A miniature cluster on one machine: nodes as network namespaces, joined by shaped links.
+
+The sleep-based emulation in :mod:`labkit.collectives` adds the time a model
+predicts; it cannot show what the model leaves out. Here every node is a Linux
+network namespace, nodes reach each other only through veth pairs into a switch
+(a Linux bridge in its own namespace), and a token bucket on both ends of every
+veth caps each direction at the link's rate, as a full-duplex NIC would. Ranks are
+real processes that enter their node before they open a socket, so gloo's bytes
+really cross the links, the kernel counts them (:meth:`Fabric.link_bytes`) and
+the clock measures them.
+
+Layout: ``zones`` switches with ``nodes / zones`` nodes each; with more than one
+zone, each switch has one uplink, shaped at ``cross_zone_bytes_per_s``, to a core
+switch. Rank r lives on node ``r // ranks_per_node``; ranks of one node talk over
+its loopback, unshaped, as GPUs inside one machine talk over fast local links.
+
+A fabric needs root. :func:`probe` tries once and says which mode labs run in;
+where it says ``"emulated"`` labs fall back to the sleep emulation and say so.
+(``unshare --user --map-root-user --net`` gives an unprivileged user one namespace
+whose loopback can be shaped, but not the named namespaces a fabric joins.)
+
+Teardown: on leaving the ``with`` block, on exceptions, at interpreter exit, and on
+SIGTERM, which is turned into ``SystemExit`` while a fabric is open, unless the
+program already handles SIGTERM. A process killed outright leaves its namespaces;
+the next fabric's :func:`cleanup_stale` removes those whose pid is dead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import functools
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import astuple, dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from labkit.netns import NetnsError, Port, add_netns, add_switch, can_shape, cleanup_stale, counters, delete_netns
+from labkit.netns import die_with_parent, enter_node, join, run
+from labkit.topology import Topology
+
+UPLINK = "uplink"
+SUBNET = "10.213.0"
+MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Kernel counters of one link, seen from its lower end (node or zone): tx goes up, rx down.
+
+    ``tx_bytes`` and ``rx_bytes`` are the interface's counters. TCP hands it 64 KiB
+    super-packets (GSO; a NIC would cut them up, TSO) with one set of headers each,
+    so they count little beyond the payload. ``*_wire_bytes`` come from the link's
+    shapers, which charge every packet the headers it carries once cut to the MTU:
+    the bytes a real wire carries, and the bytes the link's time is paid in.
+    """
+
+    tx_bytes: int
+    rx_bytes: int
+    tx_wire_bytes: int
+    rx_wire_bytes: int
+
+    def __sub__(self, other: LinkBytes) -> LinkBytes:
+        return LinkBytes(*(a - b for a, b in zip(astuple(self), astuple(other))))
+
+
+def delta(before: dict[str, LinkBytes], after: dict[str, LinkBytes]) -> dict[str, LinkBytes]:
+    """What crossed each link between two :meth:`Fabric.link_bytes` snapshots."""
+    return {link: after[link] - before[link] for link in after}
+
+
+def framing(traffic: dict[str, LinkBytes], payload_bytes: dict[str, int]) -> float:
+    """Measured wire bytes per payload byte, over the links the payload crossed.
+
+    ``payload_bytes`` is what the model says each link carried upward (for several
+    calls, multiply). Headers, ACKs and gloo's own handshakes make up the rest.
+    """
+    carried = [link for link, nbytes in payload_bytes.items() if nbytes > 0]
+    if not carried:
+        raise ValueError("payload_bytes has no link that carried payload: nothing to measure framing against")
+    return sum(traffic[link].tx_wire_bytes for link in carried) / sum(payload_bytes[link] for link in carried)
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    zone: int
+    netns: str
+    address: str
+
+
+_fabric_ids = itertools.count()
+_open_fabrics: set[Fabric] = set()
+
+
+class Fabric:
+    """Namespaces, veths and shapers for one :class:`Topology`, all removed on exit.
+
+    ``with Fabric(topology) as fab:`` then start rank r with ``env=fab.rank_env(r)``;
+    each rank calls ``enter_node(os.environ["LABKIT_NETNS"])`` before it opens a
+    socket (:meth:`launch` does both).
+    """
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.prefix = f"lk-{os.getpid()}-{next(_fabric_ids)}"
+        self.nodes = [
+            Node(n, topology.zone_of(n), f"{self.prefix}-node{n}", f"{SUBNET}.{n + 1}") for n in range(topology.nodes)
+        ]
+        self.switches = [f"{self.prefix}-switch{z}" for z in range(topology.zones)]
+        self.core = f"{self.prefix}-core" if topology.zones > 1 else None
+        # link name -> (lower end, upper end), each a (netns, interface)
+        self.links: dict[str, tuple[Port, Port]] = {
+            f"node{n.index}": ((n.netns, UPLINK), (self.switches[n.zone], f"node{n.index}")) for n in self.nodes
+        }
+        if self.core:
+            self.links.update({f"zone{z}": ((s, "core"), (self.core, f"zone{z}")) for z, s in enumerate(self.switches)})
+        self._created: list[str] = []
+
+    def __enter__(self) -> Fabric:
+        cleanup_stale()
+        _open_fabrics.add(self)
+        _catch_sigterm()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        for switch in [*self.switches, *([self.core] if self.core else [])]:
+            self._created.append(switch)
+            add_switch(switch)
+        for node in self.nodes:
+            self._created.append(node.netns)
+            add_netns(node.netns)
+        for link, (lower, upper) in self.links.items():
+            join(upper, lower, self.topology.link_bytes_per_s(link))
+        for switch in self.switches if self.core else []:
+            run("ip", "-n", switch, "link", "set", "core", "master", "br0")
+        for node in self.nodes:
+            run("ip", "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", UPLINK)
+
+    def close(self) -> None:
+        """Delete every namespace this fabric made; their veths and shapers go with them."""
+        errors = []
+        for name in reversed(self._created):
+            try:
+                delete_netns(name)
+            except NetnsError as exc:
+                errors.append(str(exc))
+        self._created.clear()
+        _open_fabrics.discard(self)
+        _release_sigterm()
+        if errors:
+            raise NetnsError("could not remove every namespace:\n" + "\n".join(errors))
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """What a launcher adds to rank ``rank``'s environment: its node, and how gloo reaches rank 0."""
+        node = self.nodes[self.topology.node_of(rank)]
+        return {
+            "LABKIT_NETNS": node.netns,
+            "MASTER_ADDR": self.nodes[0].address,
+            "MASTER_PORT": str(MASTER_PORT),
+            "GLOO_SOCKET_IFNAME": UPLINK,
+            "LOCAL_RANK": str(rank % self.topology.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(self.topology.ranks_per_node),
+        }
+
+    def link_bytes(self) -> dict[str, LinkBytes]:
+        """Kernel counters of every link (``node<i>``, then ``zone<z>``); see :class:`LinkBytes`."""
+        if not self._created:
+            raise RuntimeError("this fabric is not up: read its links inside `with Fabric(topology) as fab:`")
+        seen = {netns: counters(netns) for netns in self._created}
+        snapshot = {}
+        for link, ((lower_ns, lower_if), (upper_ns, upper_if)) in self.links.items():
+            lower, upper = seen[lower_ns][lower_if], seen[upper_ns][upper_if]
+            snapshot[link] = LinkBytes(
+                tx_bytes=lower["tx_bytes"],
+                rx_bytes=lower["rx_bytes"],
+                tx_wire_bytes=lower["qdisc_sent_bytes"],
+                rx_wire_bytes=upper["qdisc_sent_bytes"],
+            )
+        return snapshot
+
+    def launch(self, fn: Callable[..., Any], *, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(**kwargs)`` on one gloo rank per slot of the topology; results in rank order.
+
+        ``fn`` must be importable (spawned ranks import it by name). A failed rank
+        is re-raised as ``RankError``; past ``timeout_s`` it is ``RankTimeout``;
+        either way every rank is killed.
+        """
+        from labkit.launcher import RankError, RankTimeout
+
+        ctx = mp.get_context("spawn")
+        world_size = self.topology.world_size
+        procs, pending, results = [], {}, {}
+        try:
+            for rank in range(world_size):
+                env = {**self.rank_env(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+                receiver, sender = ctx.Pipe(duplex=False)
+                procs.append(ctx.Process(target=_rank_main, args=(fn, env, kwargs, timeout_s, sender), daemon=True))
+                procs[-1].start()
+                sender.close()
+                pending[receiver] = rank
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                ready = wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+                if not ready:
+                    missing = sorted(pending.values())
+                    raise RankTimeout(f"ranks {missing} did not finish within timeout_s={timeout_s:g}s")
+                for conn in ready:
+                    rank = pending.pop(conn)
+                    try:
+                        status, results[rank] = conn.recv()
+                    except EOFError:
+                        status, results[rank] = "error", "the process died before returning a result"
+                    if status != "ok":
+                        raise RankError(rank, results[rank], "")
+            return [results[rank] for rank in range(world_size)]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def _rank_main(fn: Callable[..., Any], env: dict[str, str], kwargs: dict, timeout_s: float, conn: Connection) -> None:
+    die_with_parent()
+    os.environ.update(env)
+    try:
+        enter_node(env["LABKIT_NETNS"])
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            conn.send(("ok", fn(**kwargs)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def collective_rank(op: str = "all_reduce", message_bytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, Any]:
+    """Rank function: best of ``repeats`` timed calls of one fp32 collective, after one warm-up.
+
+    The warm-up opens gloo's connections; each timed call starts at a barrier, so
+    no rank's clock includes waiting for a late peer. ``message_bytes`` follows
+    nccl-tests: the all-reduce tensor, the all-gather output, the reduce-scatter input.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    if message_bytes % (4 * world_size):
+        raise ValueError(f"message_bytes must be a multiple of 4 x world_size = {4 * world_size}, got {message_bytes}")
+    full = torch.ones(message_bytes // 4)
+    shard = torch.ones(message_bytes // 4 // world_size)
+    # torch 2.13 renamed the *_tensor forms; older torch has only those.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    run_op = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: all_gather(full, shard),
+        "reduce_scatter": lambda: reduce_scatter(shard, full),
+    }[op]
+    run_op()
+    times_s = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        run_op()
+        times_s.append(time.perf_counter() - start)
+    return {"rank": dist.get_rank(), "op": op, "best_s": min(times_s), "times_s": times_s}
+
+
+@dataclass(frozen=True)
+class Capability:
+    mode: str
+    reason: str
+
+
+@functools.cache
+def probe() -> Capability:
+    """Which links labs get here: ``"namespaces"`` (real, shaped) or ``"emulated"`` (sleeps), and why.
+
+    Tries a namespace, a bridge, a veth pair and a tbf shaper once per process,
+    then removes them.
+    """
+    why_not = can_shape()
+    if why_not:
+        return Capability("emulated", f"{why_not}; links are emulated with sleeps (labkit.collectives)")
+    return Capability("namespaces", "network namespaces, a bridge, veth pairs and tbf work: links are real and shaped")
+
+
+_sigterm_before: Any = None
+
+
+def _sigterm_to_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _catch_sigterm() -> None:
+    """Let SIGTERM unwind ``with`` blocks (and so tear down) while a fabric is open, if nobody handles it."""
+    global _sigterm_before
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _sigterm_before = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+
+def _release_sigterm() -> None:
+    global _sigterm_before
+    if _open_fabrics or _sigterm_before is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
+        signal.signal(signal.SIGTERM, _sigterm_before)
+    _sigterm_before = None
+
+
+def _close_all() -> None:
+    for fabric in list(_open_fabrics):
+        fabric.close()
+
+
+atexit.register(_close_all)

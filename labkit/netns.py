@@ -1,0 +1,180 @@
+"""Network namespaces, veth links and token-bucket shapers, driven through iproute2.
+
+The plumbing under :mod:`labkit.fabric`: each function runs one or a few ``ip``
+or ``tc`` commands and says which one failed and why. Everything here needs
+root (CAP_SYS_ADMIN for namespaces, CAP_NET_ADMIN for links and qdiscs).
+
+Namespaces labkit makes are named ``lk-<pid>-...`` after the process that made
+them, so :func:`cleanup_stale` can tell which ones a killed process left behind.
+Deleting a namespace deletes its veths (and so their peers) and their qdiscs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+NETNS_DIR = Path("/var/run/netns")
+CLONE_NEWNET = 0x40000000
+TBF_BURST_S = 0.001
+TBF_MIN_BURST_BYTES = 128 * 1024
+TBF_QUEUE_S = 0.05
+
+Port = tuple[str, str]
+
+
+class NetnsError(RuntimeError):
+    """An ``ip`` or ``tc`` command failed."""
+
+
+def run(*argv: str) -> str:
+    """Run one iproute2 command; its stdout, or :class:`NetnsError` naming the command."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetnsError(f"`{' '.join(argv)}` could not run: {exc}; install iproute2 (ip and tc)") from exc
+    if done.returncode != 0:
+        hint = "" if os.geteuid() == 0 else "; network namespaces need root"
+        raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}{hint}")
+    return done.stdout
+
+
+def add_netns(name: str) -> None:
+    run("ip", "netns", "add", name)
+    run("ip", "-n", name, "link", "set", "lo", "up")
+
+
+def delete_netns(name: str) -> None:
+    """Remove a namespace's name; the kernel frees it once no process is left inside."""
+    if (NETNS_DIR / name).exists():
+        run("ip", "netns", "delete", name)
+
+
+def add_switch(name: str) -> None:
+    """A namespace holding one Linux bridge, ``br0``: the switch nodes plug into."""
+    add_netns(name)
+    run("ip", "-n", name, "link", "add", "br0", "type", "bridge")
+    run("ip", "-n", name, "link", "set", "br0", "addrgenmode", "none", "up")
+
+
+def shape(netns: str, ifname: str, bytes_per_s: float) -> None:
+    """Cap what ``ifname`` sends at ``bytes_per_s`` with a token bucket (tbf).
+
+    The bucket holds 1 ms of traffic, and at least 128 KiB: TCP hands the
+    interface 64 KiB GSO packets, and a bucket smaller than a packet makes tbf cut
+    each one up (CPU this box lacks). 1 ms also bounds the timer to ~1000 wake-ups
+    a second, and lets a transfer run ahead of the rate by 1 ms at most. The queue
+    holds 50 ms of traffic, more than TCP's small-queue limit lets one socket park
+    there, so bulk transfers queue instead of being dropped and resent.
+    """
+    burst_bytes = max(int(bytes_per_s * TBF_BURST_S), TBF_MIN_BURST_BYTES)
+    limit_bytes = max(int(bytes_per_s * TBF_QUEUE_S), 2 * burst_bytes)
+    run("tc", "-n", netns, "qdisc", "replace", "dev", ifname, "root", "tbf",
+        "rate", f"{int(bytes_per_s * 8)}bit", "burst", str(burst_bytes), "limit", str(limit_bytes))
+
+
+def join(upper: Port, lower: Port, bytes_per_s: float) -> None:
+    """A veth from ``upper`` (a switch's netns, port name) to ``lower``; one shaper per direction.
+
+    The upper end joins the switch's bridge. Each end's shaper caps what leaves
+    that end, so both directions of the link run at ``bytes_per_s``, like a
+    full-duplex NIC.
+    """
+    run("ip", "-n", upper[0], "link", "add", upper[1], "type", "veth", "peer", "name", lower[1], "netns", lower[0])
+    for netns, ifname in (upper, lower):
+        # No IPv6 link-local address: no neighbour discovery chatter in the counters.
+        run("ip", "-n", netns, "link", "set", ifname, "addrgenmode", "none", "up")
+        shape(netns, ifname, bytes_per_s)
+    run("ip", "-n", upper[0], "link", "set", upper[1], "master", "br0")
+
+
+def counters(netns: str) -> dict[str, dict[str, int]]:
+    """Per interface in one namespace: the kernel's tx/rx byte counters, and what its root qdisc sent.
+
+    A qdisc counts a TCP super-packet (GSO) as the segments it becomes, headers
+    and all, so ``qdisc_sent_bytes`` is what a wire would carry.
+    """
+    links = json.loads(run("ip", "-n", netns, "-s", "-j", "link", "show"))
+    qdiscs = json.loads(run("tc", "-n", netns, "-s", "-j", "qdisc", "show"))
+    sent = {qdisc["dev"]: qdisc["bytes"] for qdisc in qdiscs if qdisc.get("root")}
+    return {
+        link["ifname"]: {
+            "tx_bytes": link["stats64"]["tx"]["bytes"],
+            "rx_bytes": link["stats64"]["rx"]["bytes"],
+            "qdisc_sent_bytes": sent.get(link["ifname"], 0),
+        }
+        for link in links
+    }
+
+
+def enter_node(netns_name: str) -> None:
+    """Move this process into a node's namespace; call it before any socket is opened.
+
+    ``setns`` moves only the calling thread, and a thread starts in the namespace of
+    the thread that starts it, so call this from the main thread, first thing in a
+    rank. Sockets opened earlier stay in the old namespace.
+    """
+    path = NETNS_DIR / netns_name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no network namespace {netns_name!r} at {path}: is the Fabric that made it still open?"
+        )
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {netns_name!r} failed: {os.strerror(errno)}; entering a node needs root")
+    finally:
+        os.close(fd)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies, so no rank outlives a killed launcher."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def cleanup_stale() -> list[str]:
+    """Delete the ``lk-<pid>-...`` namespaces whose creating process is gone; returns their names."""
+    removed = []
+    for path in sorted(NETNS_DIR.glob("lk-*")):
+        match = re.match(r"lk-(\d+)-", path.name)
+        if match and not pid_alive(int(match[1])):
+            delete_netns(path.name)
+            removed.append(path.name)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def can_shape() -> str:
+    """Try a namespace, a bridge, a veth pair and a tbf qdisc, then remove them; '' or why not."""
+    if os.geteuid() != 0:
+        return "network namespaces, veth links and tc need root"
+    name = f"lk-{os.getpid()}-probe"
+    try:
+        add_switch(name)
+        run("ip", "-n", name, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1")
+        shape(name, "probe0", 1e9 / 8)
+        return ""
+    except NetnsError as exc:
+        return str(exc)
+    finally:
+        try:
+            delete_netns(name)
+        except NetnsError:
+            pass
