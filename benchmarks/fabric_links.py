@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from labkit import fabric
+from labkit.launcher import launch
 from labkit.topology import Topology, gbit_to_bytes_per_s, link_bytes_model, predicted_s
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -24,7 +25,7 @@ def measure(topology: Topology, op: str, message_bytes: int, repeats: int) -> tu
     """(slowest rank's best time, traffic per link over all calls, model payload per link over all calls)."""
     with fabric.Fabric(topology) as fab:
         before = fab.link_bytes()
-        results = fab.launch(fabric.collective_rank, op=op, message_bytes=message_bytes, repeats=repeats)
+        results = launch(fabric.collective_rank, fab.topology.world_size, fabric=fab, op=op, message_bytes=message_bytes, repeats=repeats)
         traffic = fabric.delta(before, fab.link_bytes())
     calls = repeats + 1
     payload = {link: nbytes * calls for link, nbytes in link_bytes_model(op, message_bytes, topology).items()}

@@ -28,21 +28,17 @@ the next fabric's :func:`cleanup_stale` removes those whose pid is dead.
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import itertools
-import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-import traceback
 from dataclasses import astuple, dataclass
-from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from labkit.netns import NetnsError, Port, add_netns, add_switch, can_shape, cleanup_stale, counters, delete_netns
-from labkit.netns import die_with_parent, enter_node, join, run
+from labkit.netns import join, run
 from labkit.topology import Topology
 
 UPLINK = "uplink"
@@ -104,7 +100,7 @@ class Fabric:
 
     ``with Fabric(topology) as fab:`` then start rank r with ``env=fab.rank_env(r)``;
     each rank calls ``enter_node(os.environ["LABKIT_NETNS"])`` before it opens a
-    socket (:meth:`launch` does both).
+    socket (``labkit.launcher.launch(fn, world_size, fabric=fab)`` does both).
     """
 
     def __init__(self, topology: Topology):
@@ -192,66 +188,6 @@ class Fabric:
                 rx_wire_bytes=upper["qdisc_sent_bytes"],
             )
         return snapshot
-
-    def launch(self, fn: Callable[..., Any], *, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(**kwargs)`` on one gloo rank per slot of the topology; results in rank order.
-
-        ``fn`` must be importable (spawned ranks import it by name). A failed rank
-        is re-raised as ``RankError``; past ``timeout_s`` it is ``RankTimeout``;
-        either way every rank is killed.
-        """
-        from labkit.launcher import RankError, RankTimeout
-
-        ctx = mp.get_context("spawn")
-        world_size = self.topology.world_size
-        procs, pending, results = [], {}, {}
-        try:
-            for rank in range(world_size):
-                env = {**self.rank_env(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size)}
-                receiver, sender = ctx.Pipe(duplex=False)
-                procs.append(ctx.Process(target=_rank_main, args=(fn, env, kwargs, timeout_s, sender), daemon=True))
-                procs[-1].start()
-                sender.close()
-                pending[receiver] = rank
-            deadline = time.monotonic() + timeout_s
-            while pending:
-                ready = wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
-                if not ready:
-                    missing = sorted(pending.values())
-                    raise RankTimeout(f"ranks {missing} did not finish within timeout_s={timeout_s:g}s")
-                for conn in ready:
-                    rank = pending.pop(conn)
-                    try:
-                        status, results[rank] = conn.recv()
-                    except EOFError:
-                        status, results[rank] = "error", "the process died before returning a result"
-                    if status != "ok":
-                        raise RankError(rank, results[rank], "")
-            return [results[rank] for rank in range(world_size)]
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.join(timeout=5)
-
-
-def _rank_main(fn: Callable[..., Any], env: dict[str, str], kwargs: dict, timeout_s: float, conn: Connection) -> None:
-    die_with_parent()
-    os.environ.update(env)
-    try:
-        enter_node(env["LABKIT_NETNS"])
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            conn.send(("ok", fn(**kwargs)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 def collective_rank(op: str = "all_reduce", message_bytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, Any]:

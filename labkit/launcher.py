@@ -171,6 +171,10 @@ def _rank_main(
     sys.stdout = sys.stderr = log
     os.environ.update(env)
     try:
+        if "LABKIT_NETNS" in env:  # placed on a labkit.fabric node: enter it before any socket opens
+            from labkit.netns import enter_node
+
+            enter_node(env["LABKIT_NETNS"])
         _setup_rank_process(env["LABKIT_BACKEND"])
         fn = resolve(ref)
         if init_group:
@@ -255,16 +259,21 @@ def launch(
     timeout_s: float = 300.0,
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
+    fabric: Any = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` fresh processes; results in rank order.
 
     ``fn`` must be importable (defined in a module, not a notebook cell) and its
     arguments and result picklable. ``env`` adds environment variables to every
-    rank (use it to switch emulations on or off).
+    rank (use it to switch emulations on or off). With an open
+    :class:`labkit.fabric.Fabric`, rank r runs on its topology's node for r, so
+    traffic between nodes crosses the fabric's shaped links.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if fabric is not None and fabric.topology.world_size != world_size:
+        raise ValueError(f"world_size must equal the fabric's {fabric.topology.world_size} rank slots, got {world_size}")
     check_backend(backend)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -286,6 +295,7 @@ def launch(
                 "LOCAL_WORLD_SIZE": str(world_size),
                 "LABKIT_BACKEND": backend,
                 "LABKIT_TIMEOUT_S": str(timeout_s),
+                **(fabric.rank_env(rank) if fabric is not None else {}),
                 **(env or {}),
             }
             parent_conn, child_conn = ctx.Pipe(duplex=False)

@@ -15,7 +15,6 @@ import ctypes
 import json
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
@@ -132,12 +131,6 @@ def enter_node(netns_name: str) -> None:
             raise OSError(errno, f"setns into {netns_name!r} failed: {os.strerror(errno)}; entering a node needs root")
     finally:
         os.close(fd)
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies, so no rank outlives a killed launcher."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def cleanup_stale() -> list[str]:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from labkit import fabric, netns
+from labkit.launcher import launch
 from labkit.topology import GBIT, Topology, link_bytes_model, predicted_s
 
 CAPABILITY = fabric.probe()
@@ -90,7 +91,7 @@ def test_a_slow_link_between_zones_sets_the_predicted_time():
 
 def test_entering_a_node_that_does_not_exist_says_why():
     with pytest.raises(FileNotFoundError, match="is the Fabric that made it still open"):
-        fabric.enter_node("lk-0-no-such-node")
+        netns.enter_node("lk-0-no-such-node")
 
 
 @needs_namespaces
@@ -158,7 +159,7 @@ def test_a_two_node_all_reduce_takes_the_time_the_link_allows_and_moves_the_ring
     two_nodes = Topology(nodes=2, inter_node_bytes_per_s=GBIT)
     with fabric.Fabric(two_nodes) as fab:
         before = fab.link_bytes()
-        results = fab.launch(fabric.collective_rank, op="all_reduce", message_bytes=message_bytes, repeats=repeats)
+        results = launch(fabric.collective_rank, fab.topology.world_size, fabric=fab, op="all_reduce", message_bytes=message_bytes, repeats=repeats)
         traffic = fabric.delta(before, fab.link_bytes())
     calls = repeats + 1
     model = link_bytes_model("all_reduce", message_bytes, two_nodes)
@@ -180,5 +181,5 @@ def test_a_failing_rank_is_reraised_and_the_fabric_still_comes_down():
     before = _host_network()
     with pytest.raises(RankError, match="multiple of 4 x world_size"):
         with fabric.Fabric(Topology(nodes=2, inter_node_bytes_per_s=GBIT)) as fab:
-            fab.launch(fabric.collective_rank, message_bytes=6, timeout_s=60)
+            launch(fabric.collective_rank, fab.topology.world_size, fabric=fab, message_bytes=6, timeout_s=60)
     assert _host_network() == before
