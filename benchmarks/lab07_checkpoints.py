@@ -39,9 +39,9 @@ def training_loop_target(state_mb: float, steps: int, save_every: int, device: s
             print(f"  none : {run.wall_s:.2f} s for {run.steps} steps")
             continue
         print(f"  {run.kind:5}: state {run.state_bytes / 1e6:.0f} MB, blocked/save "
-              f"{[round(s.blocked_s * 1e3, 1) for s in run.saves]} ms, total/save "
+              f"{[round(d * 1e3, 1) for _, d in run.blocked_spans]} ms, total/save "
               f"{[round(s.total_s * 1e3, 1) for s in run.saves]} ms, goodput {run.goodput:.3f} "
-              f"(vs no saves {run.goodput_against(runs['none']):.3f}), peak RSS added "
+              f"(useful {run.useful_s:.2f} s of {run.wall_s + run.drain_s:.2f} s, final write included), peak RSS added "
               f"{run.peak_rss_added_bytes / 1e6:.0f} MB, final drain {run.drain_s:.2f} s")
     sync, async_ = runs["sync"], runs["async"]
     later = async_.saves[1:] or async_.saves

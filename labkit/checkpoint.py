@@ -672,18 +672,25 @@ class TrainingRun:
     losses: list[float]
 
     @property
-    def goodput(self) -> float:
-        """Share of the wall time spent in training steps rather than stopped for saves."""
-        return self.compute_s / self.wall_s
+    def useful_s(self) -> float:
+        """Every step at this run's median step time: what the steps cost undisturbed.
 
-    def goodput_against(self, baseline: "TrainingRun") -> float:
-        """Useful share of the wall time, taking the run without checkpoints as all
-        useful: counts blocked time *and* steps slowed by a background writer."""
-        return baseline.wall_s / self.wall_s
+        A step slowed by the background writer counts only its undisturbed part.
+        """
+        durations = sorted(d for _, d in self.step_spans)
+        return len(durations) * durations[len(durations) // 2]
+
+    @property
+    def goodput(self) -> float:
+        """:func:`labkit.interval.goodput` of this run, the final write (``drain_s``) included."""
+        from labkit.interval import goodput
+
+        return goodput(self.useful_s, self.wall_s + self.drain_s)
 
     @property
     def mean_blocked_s(self) -> float:
-        return sum(s.blocked_s for s in self.saves) / max(1, len(self.saves))
+        """Mean seconds training stood still per save, timed around the save call by the loop."""
+        return sum(d for _, d in self.blocked_spans) / max(1, len(self.blocked_spans))
 
     @property
     def mean_total_s(self) -> float:
@@ -730,9 +737,10 @@ def train_with_checkpoints(
             synchronize(device)
             step_spans.append((start - origin, time.perf_counter() - start))
             if saver is not None and step % save_every == 0:
-                state = capture_training_state(model, optimizer, loader_position=step)
-                stats = saver.save(step, state)
-                blocked_spans.append((stats.started_s - origin, stats.blocked_s))
+                # blocked time as training saw it: the call, including any wait for the previous save
+                called = time.perf_counter()
+                saver.save(step, capture_training_state(model, optimizer, loader_position=step))
+                blocked_spans.append((called - origin, time.perf_counter() - called))
         wall_s = time.perf_counter() - origin
         drain_start = time.perf_counter()
         if saver is not None:

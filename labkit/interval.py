@@ -43,6 +43,19 @@ def expected_lost_work_s(interval_s: float, checkpoint_cost_s: float) -> float:
     return (interval_s + checkpoint_cost_s) / 2.0
 
 
+def goodput(useful_s: float, wall_s: float) -> float:
+    """Measured goodput: seconds of useful training over the wall-clock seconds they took.
+
+    One definition for every lab. *Useful* is what the training work would cost
+    undisturbed; *wall* runs from the first step to the last byte committed, so a
+    save's blocking, a step slowed by a background writer, the final write, a
+    restart and redone work all count against it.
+    """
+    _non_negative("useful_s", useful_s)
+    _positive("wall_s", wall_s)
+    return useful_s / wall_s
+
+
 def goodput_fraction(
     interval_s: float, checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.0
 ) -> float:

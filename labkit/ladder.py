@@ -8,6 +8,7 @@ GPU the accelerator is a real CNN; on a CPU-only machine it is the
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -181,11 +182,24 @@ class Ladder:
         return fig
 
 
+@dataclass(frozen=True)
+class BatchDigest:
+    """What a training step receives, in brief: the labels and a hash of the pixels (flips included)."""
+
+    labels: tuple[int, ...]
+    pixels_sha1: str
+
+
 def deterministic_batches(paths: list[str], labels: list[int], *, batch_size: int, workers: int,
-                          image_px: int = 32) -> list[list[int]]:
-    """Labels of each batch from labkit's file loader (seeded sampler, in-order workers)."""
+                          image_px: int = 32) -> list[BatchDigest]:
+    """Every batch of one epoch of labkit's file loader (seeded sampler, in-order workers), digested.
+
+    Comparing labels alone would miss the augmentation: a flip decided by whichever
+    worker decoded the image changes the pixels, not the labels.
+    """
     loader = loaders.file_loader(paths, labels, batch_size=batch_size, num_workers=workers, image_px=image_px)
-    return [batch_labels.tolist() for _, batch_labels in loader]
+    return [BatchDigest(tuple(batch_labels.tolist()), hashlib.sha1(images.numpy().tobytes()).hexdigest())
+            for images, batch_labels in loader]
 
 
 def cache_cost(cache: loaders.TransformedCache, dataset_bytes: int) -> dict[str, float]:

@@ -251,6 +251,25 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+LOG_DIR_PREFIX = "labkit-ranks-"
+
+
+def remove_stale_log_dirs() -> list[Path]:
+    """Remove rank log folders whose launching process is gone; returns them.
+
+    A failed launch keeps its ranks' logs for the person reading the error, for as
+    long as the process that launched them (a notebook's kernel) lives. A process
+    killed outright never cleans up, so every launch sweeps up after dead ones.
+    """
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{LOG_DIR_PREFIX}*-*"):
+        pid = folder.name[len(LOG_DIR_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -280,7 +299,8 @@ def launch(
     ref = _function_ref(fn)
     dsops.use_environment_extensions_dir()
     port = free_port()
-    log_dir = Path(tempfile.mkdtemp(prefix="labkit-ranks-"))
+    remove_stale_log_dirs()
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-"))
     ctx = mp.get_context("spawn")
     procs, conns, logs = [], [], []
     keep_logs = False

@@ -333,7 +333,10 @@ class GoodputBreakdown:
 
     @property
     def goodput(self) -> float:
-        return self.useful_s / self.wall_s
+        """:func:`labkit.interval.goodput`: useful step time over the run's wall time."""
+        from labkit.interval import goodput
+
+        return goodput(self.useful_s, self.wall_s)
 
     def parts(self) -> dict[str, float]:
         return {"useful steps": self.useful_s, "lost work (redone)": self.lost_work_s,

@@ -350,3 +350,19 @@ def test_crash_consistency_check_finds_the_committed_checkpoint_after_every_kill
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "6 kills" in done.stdout and "violations: 0" in done.stdout
     assert done.stdout.count("3 loads OK") == 2 and "VIOLATION" not in done.stdout
+
+
+def test_goodput_counts_slowed_steps_and_the_final_write_against_the_run():
+    """One definition (labkit.interval.goodput): useful step time over wall time, last write included."""
+    from labkit.checkpoint import TrainingRun
+
+    steps = [(i * 1.0, 1.0) for i in range(5)] + [(5.0, 3.0)]  # one step slowed by a background writer
+    run = TrainingRun(kind="async", steps=6, save_every=3, state_bytes=1, wall_s=8.5, drain_s=1.5,
+                      compute_s=8.0, saves=[], step_spans=steps, blocked_spans=[(3.0, 0.5)], write_spans=[],
+                      peak_rss_added_bytes=0, losses=[])
+    assert run.useful_s == 6.0
+    assert run.goodput == pytest.approx(6.0 / 10.0)
+    with pytest.raises(ValueError, match="wall_s must be a finite number > 0"):
+        from labkit.interval import goodput
+
+        goodput(1.0, 0.0)

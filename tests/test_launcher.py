@@ -115,3 +115,20 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_log_folders_of_dead_launchers_are_swept_up(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from labkit.launcher import LOG_DIR_PREFIX, remove_stale_log_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{LOG_DIR_PREFIX}{dead.pid}-abc"
+    mine = tmp_path / f"{LOG_DIR_PREFIX}{os.getpid()}-def"
+    stale.mkdir()
+    mine.mkdir()
+    assert remove_stale_log_dirs() == [stale]
+    assert mine.exists() and not stale.exists()

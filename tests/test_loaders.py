@@ -76,8 +76,18 @@ def test_naive_sharded_loading_skews_labels_and_labkit_does_not(small_dataset):
     paths, labels = small_dataset.paths_and_labels()
     naive = loaders.naive_parallel_batches(paths, labels, batch_size=20, workers=2)
     ours = ladder.deterministic_batches(paths, labels, batch_size=20, workers=2)
-    assert loaders.batch_label_skew(naive, 10) > 2 * loaders.batch_label_skew(ours, 10)
+    assert loaders.batch_label_skew(naive, 10) > 2 * loaders.batch_label_skew([b.labels for b in ours], 10)
     assert sorted(sum(naive, [])) == sorted(labels)
+
+
+def test_labkit_batches_carry_the_same_pixels_and_flips_for_any_worker_count(small_dataset, monkeypatch):
+    paths, labels = small_dataset.paths_and_labels()
+    by_workers = [ladder.deterministic_batches(paths[:60], labels[:60], batch_size=20, workers=w) for w in (0, 2)]
+    assert by_workers[0] == by_workers[1]
+    monkeypatch.setattr(loaders, "flip_decision", lambda seed, epoch, index: bool(index % 2))
+    flipped_otherwise = ladder.deterministic_batches(paths[:60], labels[:60], batch_size=20, workers=0)
+    assert [b.labels for b in flipped_otherwise] == [b.labels for b in by_workers[0]]
+    assert flipped_otherwise != by_workers[0], "the digest must see a change of flips that labels cannot"
 
 
 def test_pil_stage_costs_charge_every_cut_and_decode_costs_more_than_the_read(small_dataset):
