@@ -44,6 +44,12 @@ def checks() -> list[Check]:
             built = dsops.op_is_built(op)
             found.append(Check(f"deepspeed op {op}", built, "built" if built else "not built yet",
                                "labkit build-ops (1-4 min, once per environment)"))
+    from labkit import fabric
+
+    links = fabric.probe()
+    found.append(Check("links between ranks", links.mode == "namespaces",
+                       f"{links.mode}: {links.reason}",
+                       "run as root on Linux for real shaped links (Labs 5, 6, 8); otherwise they emulate, and say so"))
     free_gib = shutil.disk_usage(data_dir()).free / 2**30
     found.append(Check("disk for data/", free_gib > 5, f"{free_gib:.0f} GiB free in {data_dir()}",
                        "free at least 5 GiB or set LABKIT_DATA elsewhere"))

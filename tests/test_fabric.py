@@ -183,3 +183,11 @@ def test_a_failing_rank_is_reraised_and_the_fabric_still_comes_down():
         with fabric.Fabric(Topology(nodes=2, inter_node_bytes_per_s=GBIT)) as fab:
             launch(fabric.collective_rank, fab.topology.world_size, fabric=fab, message_bytes=6, timeout_s=60)
     assert _host_network() == before
+
+
+def test_doctor_says_which_links_this_machine_gets(monkeypatch):
+    from labkit import doctor
+
+    monkeypatch.setattr(fabric, "probe", lambda: fabric.Capability("emulated", "not root"))
+    found = {check.name: check for check in doctor.checks()}
+    assert not found["links between ranks"].ok and "emulated: not root" in found["links between ranks"].detail
