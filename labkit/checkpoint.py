@@ -413,13 +413,16 @@ class _StagingArea:
     def snapshot(self, state: dict) -> dict:
         index = 0
         # Only GPU tensors need pinned buffers and a synchronize; asking CUDA on a CPU
-        # rank of a GPU machine would start a CUDA context there for nothing.
-        from_gpu = False
+        # rank of a GPU machine would start a CUDA context there for nothing. Each
+        # device the state lives on has its own queue of copies: synchronising only
+        # the current one could hand the writer a buffer another GPU is still filling.
+        gpus: set[torch.device] = set()
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal index, from_gpu
+            nonlocal index
             src = t.detach()
-            from_gpu = from_gpu or src.is_cuda
+            if src.is_cuda:
+                gpus.add(src.device)
             if index < len(self.buffers):
                 buf = self.buffers[index]
                 if buf.shape != src.shape or buf.dtype != src.dtype:
@@ -438,8 +441,8 @@ class _StagingArea:
         finally:
             torch.set_num_threads(threads)
         del self.buffers[index:]
-        if from_gpu:
-            torch.cuda.synchronize()
+        for device in sorted(gpus, key=str):
+            torch.cuda.synchronize(device)
         return staged
 
     @staticmethod
@@ -762,22 +765,29 @@ def train_with_checkpoints(
 
 
 def resume_experiment(
-    directory: str | Path, *, kind: str = "async", state_mb: float = 8, steps: int = 8, save_at: int = 4
+    directory: str | Path, *, kind: str = "async", state_mb: float = 8, steps: int = 8, save_at: int = 4,
+    device: str | torch.device = "cpu",
 ) -> tuple[list[float], list[float]]:
     """Losses after step ``save_at`` of an uninterrupted run, and of a run rebuilt
-    from scratch (different init, disturbed RNGs) and resumed from the checkpoint."""
+    from scratch (different init, disturbed RNGs) and resumed from the checkpoint.
+
+    On ``device="cuda"`` the model's dropout draws from the CUDA generator, so the
+    losses match only if the checkpoint restored that generator's state too.
+    """
     if not 1 <= save_at < steps:
         raise ValueError(f"save_at must be in [1, steps), got {save_at} with steps={steps}")
-    device = torch.device("cpu")
-    model, optimizer = make_model(state_mb, seed=0)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} needs a CUDA GPU and this machine has none; use device='cpu'")
+    model, optimizer = make_model(state_mb, device=device, seed=0)
     with SAVERS[kind](directory, keep=2) as saver:
         for step in range(1, save_at + 1):
             _train_step(model, optimizer, step, device)
         saver.save(save_at, capture_training_state(model, optimizer, loader_position=save_at))
     uninterrupted = [_train_step(model, optimizer, step, device) for step in range(save_at + 1, steps + 1)]
 
-    model, optimizer = make_model(state_mb, seed=1)
-    random.random(), np.random.rand(), torch.rand(3)
+    model, optimizer = make_model(state_mb, device=device, seed=1)
+    random.random(), np.random.rand(), torch.rand(3), torch.rand(3, device=device)
     position = restore_training_state(load_latest(directory).state, model, optimizer)
     resumed = [_train_step(model, optimizer, step, device) for step in range(position + 1, steps + 1)]
     return uninterrupted, resumed

@@ -57,7 +57,7 @@ from daft.functions import image_to_tensor, resize  # noqa: E402
 from labkit.atomic import atomic_file  # noqa: E402
 from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E402
 from labkit.devices import cpu_ms_per_item, host_threads  # noqa: E402
-from labkit.loaders import ModelStep, StandInAccelerator  # noqa: E402
+from labkit.loaders import accelerator_for  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
 
 
@@ -65,8 +65,10 @@ from labkit.meter import MeterSummary, StepMeter  # noqa: E402
 class EngineSizes:
     """One profile's experiment sizes.
 
-    ``stand_in_images_per_s`` sets Lab 1's stand-in accelerator (an emulation that
-    waits without using the host CPU); ``None`` means a real model step on the GPU.
+    ``stand_in_images_per_s`` is the rate the accelerator consumes images at, chosen
+    as in Lab 1 (:func:`labkit.loaders.accelerator_for`): on a CPU, the stand-in
+    emulation (it waits without using the host CPU); on a GPU, a real model step
+    widened until its measured rate is about this.
     ``latency_ms`` is the emulated per-request latency of remote object storage.
     ``stage_images`` caps the images whose stage costs are measured: a per-image
     average needs a sample, and Lab 1's PIL path measures in one thread.
@@ -75,7 +77,7 @@ class EngineSizes:
     num_images: int
     image_px: int
     batch_size: int
-    stand_in_images_per_s: float | None
+    stand_in_images_per_s: float
     rows_per_group: int
     latency_ms: float
     latency_images: int
@@ -94,12 +96,12 @@ SIZES = {
         stage_images=1_600,
     ),
     "gpu": EngineSizes(
-        num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
+        num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=4_096,
         stage_images=2_048,
     ),
     "multi-gpu": EngineSizes(
-        num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=None,
+        num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=8_192,
         stage_images=2_048,
     ),
@@ -523,10 +525,11 @@ def augment_batch(
 
 
 def make_accelerator(sizes: EngineSizes, device: torch.device | str) -> Accelerator:
-    """What the loader feeds: Lab 1's stand-in accelerator (an emulation) or a real model step."""
-    if sizes.stand_in_images_per_s is not None:
-        return StandInAccelerator(images_per_s=sizes.stand_in_images_per_s)
-    return ModelStep(device)
+    """What the loader feeds, chosen as in Lab 1: the stand-in emulation on a CPU, a
+    real model step on a GPU, as wide as it measures it must be to run at about
+    ``sizes.stand_in_images_per_s`` at this lab's image size."""
+    return accelerator_for(device, images_per_s=sizes.stand_in_images_per_s, batch_size=sizes.batch_size,
+                           image_px=sizes.image_px)
 
 
 def measure_feed(

@@ -135,6 +135,25 @@ def describe_machine() -> dict[str, object]:
     return info
 
 
+REFERENCE_GPU_BYTES = 80 * 2**30
+"""80 GiB: an H100 80GB or A100 80GB, the GPUs large models are trained on today."""
+
+
+def accelerator_memory_bytes() -> tuple[int, str]:
+    """Memory of GPU 0 in bytes, and a line saying where the figure comes from.
+
+    On a GPU, the device's own total (``torch.cuda.get_device_properties``). On a
+    CPU-only machine there is no accelerator memory to read, and host RAM would
+    answer a different question, so the figure is :data:`REFERENCE_GPU_BYTES`, and
+    the line says so.
+    """
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name}: {props.total_memory / 2**30:.1f} GiB, read from the device"
+    return REFERENCE_GPU_BYTES, (f"no GPU here: a reference {REFERENCE_GPU_BYTES / 2**30:.0f} GiB device "
+                                 "(an H100 or A100 80GB, today's usual training GPU)")
+
+
 def cpu_ms_per_item(runs: Mapping[str, Callable[[], object]], items: int, *, repeats: int = 2) -> dict[str, float]:
     """CPU milliseconds per item of each run, best of ``repeats``, the runs taking turns.
 

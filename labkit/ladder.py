@@ -18,7 +18,7 @@ import torch
 
 from labkit import loaders
 from labkit.dataset import Dataset
-from labkit.devices import host_threads
+from labkit.devices import host_threads, loader_workers
 from labkit.meter import MeterSummary, StepMeter
 from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
@@ -35,10 +35,9 @@ class LadderSizes:
     remote_latency_ms: float
     remote_images: int
     fast_epochs: int
-    model_width: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs", "model_width"):
+        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.workers < 0:
@@ -50,25 +49,21 @@ class LadderSizes:
 SIZES = {
     "ci": LadderSizes(num_images=1600, image_px=32, batch_size=128, workers=2,
                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
-    # On a GPU the model is real. A width-32 step is a few tiny kernels that a current GPU
-    # may finish faster than the host prepares the next batch, so even data in RAM would not
-    # keep it busy; width 256 does 64x the FLOPs per step (an estimate: no GPU has run this yet).
-    "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
-                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3,
-                       model_width=256),
-    "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=8,
-                             stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3,
-                             model_width=256),
+    # On a GPU the model is real, widened until its measured step runs at about
+    # stand_in_images_per_s (loaders.model_width_for). Workers: one per core we may use.
+    "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
+                       stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+    "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
+                             stand_in_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
 }
 
 RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WARN}
 
 
 def accelerator_for(profile: Profile, sizes: LadderSizes) -> loaders.StandInAccelerator | loaders.ModelStep:
-    """A real model on a GPU; the explicit stand-in emulation on a CPU-only machine."""
-    if profile.on_gpu:
-        return loaders.ModelStep(profile.device, width=sizes.model_width)
-    return loaders.StandInAccelerator(sizes.stand_in_images_per_s)
+    """A real model on a GPU, its width measured there; the explicit stand-in emulation on a CPU-only machine."""
+    return loaders.accelerator_for(profile.device, images_per_s=sizes.stand_in_images_per_s,
+                                   batch_size=sizes.batch_size, image_px=sizes.image_px)
 
 
 def measure(batches: Iterable[loaders.Batch], accelerator, *, device: str = "cpu", epochs: int = 1,

@@ -549,6 +549,7 @@ def supervise(
     check_backend(backend)
     if spares < 0:
         raise ValueError(f"spares must be >= 0, got {spares}")
+    _check_devices_for_nodes(backend, world_size + spares)
     if heartbeat_timeout_s <= 0:
         raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
     if straggler_patience < 1:
@@ -660,6 +661,31 @@ def _start_standby(run_path: Path, run_id: str) -> subprocess.Popen:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
 
 
+def node_local_rank(node: int) -> int:
+    """LOCAL_RANK (the GPU index) of the process on emulated node ``node``.
+
+    The emulated nodes are slots of this one machine, one process each, and node
+    ``i`` owns device ``i``. A spare that takes over rank ``r`` runs on the device of
+    the slot it takes, not on rank ``r``'s: that one belongs to the cordoned node.
+    """
+    if node < 0:
+        raise ValueError(f"node must be >= 0, got {node}")
+    return node
+
+
+def _check_devices_for_nodes(backend: str, nodes: int) -> None:
+    """NCCL ranks need a GPU per node slot, spares included, before anything starts."""
+    if backend != "nccl":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nodes > gpus:
+        raise ValueError(f"backend='nccl' puts each of world_size + spares = {nodes} node slots on a GPU of "
+                         f"its own, and this machine has {gpus}; lower spares or world_size, or use "
+                         f"backend='gloo'")
+
+
 def _launch_attempt(
     run_path: Path, run_id: str, attempt: int, assignment: list[int], nodes: list[str],
     plan: list[Fault], train_kwargs: dict, warm: deque | None, backend: str,
@@ -677,7 +703,7 @@ def _launch_attempt(
     for rank, node in enumerate(assignment):
         rank_env = {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "RANK": str(rank), "LOCAL_RANK": str(node_local_rank(node)),
             "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
             "LABKIT_BACKEND": backend,
             "LABKIT_TIMEOUT_S": os.environ.get("LABKIT_TIMEOUT_S", "600"),

@@ -303,11 +303,30 @@ def device_spec(name: str, table: Mapping[str, DeviceSpec] | None = None) -> Dev
     raise ValueError(f"device must be one of {sorted(table)}, got {name!r}")
 
 
+VENDOR_DEVICE_NAMES: dict[str, str] = {
+    "NVIDIA A100-SXM4-80GB": "A100",
+    "NVIDIA H100 80GB HBM3": "H100",
+    "NVIDIA H200": "H200",
+    "NVIDIA B200": "B200",
+}
+"""CUDA device names (``torch.cuda.get_device_name``) of exactly the variants each vendor row quotes.
+
+A family name is not enough: an "NVIDIA H100 PCIe" has fewer SMs, lower clocks and
+2 TB/s instead of the SXM's 3.35; an "NVIDIA H200 NVL" and an "NVIDIA A100 80GB PCIe"
+differ from their SXM rows too. Those (and any name not listed) get no vendor row,
+and the lab falls back to the roof it measured."""
+
+
 def match_vendor_spec(gpu_name: str) -> DeviceSpec | None:
-    """The vendor row for a CUDA device name such as ``"NVIDIA H100 80GB HBM3"``, if known."""
-    for key, spec in VENDOR_SPECS.items():
-        if key.lower() in gpu_name.lower():
-            return spec
+    """The vendor row for a CUDA device name such as ``"NVIDIA H100 80GB HBM3"``, or None.
+
+    Only the exact variants in :data:`VENDOR_DEVICE_NAMES` match; another variant of
+    the same family (PCIe, NVL, 40 GB) returns None rather than another part's figures.
+    """
+    wanted = " ".join(gpu_name.split()).lower()
+    for device_name, key in VENDOR_DEVICE_NAMES.items():
+        if device_name.lower() == wanted:
+            return VENDOR_SPECS[key]
     return None
 
 

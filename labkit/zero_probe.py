@@ -126,25 +126,45 @@ class RankMeasurement:
         return min(self.step_ms)
 
 
-def default_dtype() -> str:
-    """bf16 where the accelerator supports it (every CPU DeepSpeed runs on), else fp16."""
+def ranks_accelerator(backend: str | None = None):  # -> deepspeed's accelerator object
+    """DeepSpeed's accelerator inside the ranks of ``backend`` (default: the profile's).
+
+    Not necessarily this process's: on a GPU machine the parent's DeepSpeed picks
+    CUDA, while gloo ranks run on the CPU (the launcher sets ``DS_ACCELERATOR=cpu``
+    for them). A dtype or an op must be chosen for the ranks' accelerator.
+    """
+    from labkit import dsops, profile
+
+    backend = backend or profile().backend
+    if dsops.accelerator_for(backend) == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        return CPU_Accelerator()
     from deepspeed.accelerator import get_accelerator
 
-    return "bf16" if get_accelerator().is_bf16_supported() else "fp16"
+    return get_accelerator()
 
 
-def check_dtype_supported(dtype: str) -> None:
+def default_dtype(backend: str | None = None) -> str:
+    """bf16 where the ranks' accelerator supports it (every CPU DeepSpeed runs on), else fp16.
+
+    A gloo rank gets bf16 even when this machine's GPU is a V100 or T4 (no bf16, so
+    the parent's own choice would be fp16, which DeepSpeed refuses on the CPU).
+    """
+    return "bf16" if ranks_accelerator(backend).is_bf16_supported() else "fp16"
+
+
+def check_dtype_supported(dtype: str, backend: str | None = None) -> None:
     """Refuse, before any rank starts, a precision DeepSpeed would refuse inside every rank."""
-    from deepspeed.accelerator import get_accelerator
-
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
-    accelerator = get_accelerator()
+    accelerator = ranks_accelerator(backend)
     supported = accelerator.is_bf16_supported() if dtype == "bf16" else accelerator.is_fp16_supported()
     if not supported:
+        other = "fp16" if dtype == "bf16" else "bf16"
         raise ValueError(
-            f"dtype={dtype!r} is not supported by DeepSpeed's {accelerator.device_name()} accelerator "
-            f"(it refuses fp16 on the CPU); use dtype='bf16'"
+            f"dtype={dtype!r} is not supported by DeepSpeed's {accelerator.device_name()} accelerator, "
+            f"where the {backend or 'profile'} ranks run (it refuses fp16 on the CPU); use dtype={other!r}"
         )
 
 
@@ -389,22 +409,69 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
     return results
 
 
-def nvme_available(profile_name: str | None = None) -> tuple[bool, str]:
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+NVME_DIR_ENV = "LABKIT_NVME_DIR"
+
+
+def nvme_parent_dir() -> str:
+    """Where NVMe offload files go: ``$LABKIT_NVME_DIR``, else the temp folder."""
+    return os.environ.get(NVME_DIR_ENV) or tempfile.gettempdir()
+
+
+def filesystem_type(path: str, mounts_text: str | None = None) -> str:
+    """The type of the filesystem holding ``path`` (``"ext4"``, ``"tmpfs"``, ...), from ``/proc/mounts``.
+
+    The mount point that is the longest prefix of the resolved path wins; of equal
+    ones the last listed (a later mount hides an earlier one). ``"unknown"`` if none.
+    """
+    if mounts_text is None:
+        try:
+            with open("/proc/mounts") as handle:
+                mounts_text = handle.read()
+        except OSError:
+            return "unknown"
+    real = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, fstype = mount, fields[2]
+    return fstype
+
+
+def nvme_available(profile_name: str | None = None, *, backend: str | None = None,
+                   nvme_dir: str | None = None) -> tuple[bool, str]:
     """Whether NVMe offload runs here, and if not, why (the reason the notebook prints).
 
-    It needs DeepSpeed's async_io op: Debian's libaio-dev plus a 4-8 minute gcc
-    build. The CI profile's time budget cannot absorb that build, so there it runs
-    only if the op was built beforehand; the GPU profiles build it when asked.
-    """
-    from deepspeed.accelerator import get_accelerator
+    Checked in order, cheapest first, so that the 4-8 minute build of DeepSpeed's
+    async_io op is never started where its result could not be used:
 
+    * the offload folder (``nvme_dir``, else :func:`nvme_parent_dir`) must not be
+      on a RAM filesystem: "offloading to NVMe" in a tmpfs ``/tmp`` copies RAM to
+      RAM and would be reported as disk;
+    * the ranks' accelerator (gloo ranks: the CPU's) must have an async_io op;
+    * a built op is used; otherwise the ci profile skips (the build does not fit
+      its budget) and the GPU profiles build it only if the builder says it can
+      (libaio-dev present).
+    """
     from labkit import dsops, profile
 
-    builder = get_accelerator().create_op_builder(dsops.ASYNC_IO_OP)
+    directory = nvme_dir or nvme_parent_dir()
+    fstype = filesystem_type(directory)
+    if fstype in RAM_FILESYSTEMS:
+        return False, (f"NVMe offload skipped: {directory} is on {fstype}, which lives in RAM, so offloading "
+                       f"there would time RAM copies, not a disk; set {NVME_DIR_ENV} to a folder on an NVMe "
+                       f"(or at least a real) disk")
+    builder = ranks_accelerator(backend).create_op_builder(dsops.ASYNC_IO_OP)
     if builder is None:
-        return False, "NVMe offload skipped: this accelerator has no DeepSpeed async_io op"
-    if dsops.op_is_built(dsops.ASYNC_IO_OP):
-        return True, "async_io op is built"
+        return False, "NVMe offload skipped: the ranks' accelerator has no DeepSpeed async_io op"
+    ops_accelerator = dsops.accelerator_for(backend or profile().backend)
+    if dsops.op_is_built(dsops.ASYNC_IO_OP, ops_accelerator):
+        return True, f"async_io op is built; offload files go to {directory} ({fstype})"
     if (profile_name or profile().name) == "ci":
         return False, ("NVMe offload skipped in the ci profile: DeepSpeed's async_io op is not built, and "
                        "it needs libaio-dev plus a 4-8 min build that does not fit the budget (run "
@@ -412,7 +479,8 @@ def nvme_available(profile_name: str | None = None) -> tuple[bool, str]:
     if not builder.is_compatible(verbose=False):
         return False, ("NVMe offload skipped: DeepSpeed's async_io op cannot be built here "
                        "(install libaio-dev, then run `python -m labkit.dsops AsyncIOBuilder`)")
-    return True, "async_io op will be built (once per environment, 4-8 min)"
+    return True, (f"async_io op will be built (once per environment, 4-8 min); offload files go to "
+                  f"{directory} ({fstype})")
 
 
 def measure(
@@ -437,7 +505,6 @@ def measure(
     prof = profile()
     configs = list(configs if configs is not None else BASE_CONFIGS + CPU_OFFLOAD_CONFIGS)
     size = size or prof.pick(SIZES)
-    dtype = dtype or default_dtype()
     ranks = prof.ranks if ranks is None else ranks
     backend = backend or prof.backend
     if ranks < 1:
@@ -453,17 +520,19 @@ def measure(
                         ("steps", size.steps)):
         if value < 1:
             raise ValueError(f"size.{name} must be >= 1, got {value}")
-    check_dtype_supported(dtype)
+    dtype = dtype or default_dtype(backend)
+    check_dtype_supported(dtype, backend)
     ops = [dsops.COMM_OP]
     if any(c.offloaded for c in configs):
         ops.append(dsops.CPU_ADAM_OP)
     nvme_dir = None
     if any("nvme" in (c.offload_optimizer, c.offload_param) for c in configs):
-        available, reason = nvme_available(prof.name)
+        parent = nvme_parent_dir()
+        available, reason = nvme_available(prof.name, backend=backend, nvme_dir=parent)
         if not available:
             raise ValueError(f"NVMe offload requested but unavailable: {reason}")
         ops.append(dsops.ASYNC_IO_OP)
-        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=os.environ.get("LABKIT_NVME_DIR"))
+        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=parent)
     dsops.ensure_built(tuple(ops), accelerator=dsops.accelerator_for(backend))
     try:
         per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,

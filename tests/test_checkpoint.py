@@ -366,3 +366,84 @@ def test_goodput_counts_slowed_steps_and_the_final_write_against_the_run():
         from labkit.interval import goodput
 
         goodput(1.0, 0.0)
+
+
+def _tensor_on_gpu(index: int):
+    """A CPU tensor class that reports ``cuda:<index>``: the snapshot's path for GPU state, without a GPU."""
+
+    class OnGpu(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+        @property
+        def device(self):
+            return torch.device("cuda", index)
+
+    return OnGpu
+
+
+def test_snapshot_synchronises_every_gpu_the_state_lives_on(monkeypatch):
+    from labkit import checkpoint
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(str(device)))
+    monkeypatch.setattr(checkpoint._StagingArea, "_alloc",
+                        staticmethod(lambda src: torch.empty(src.shape, dtype=src.dtype)))
+    state = {"stage0": torch.ones(4).as_subclass(_tensor_on_gpu(0)),
+             "stage1": torch.full((4,), 2.0).as_subclass(_tensor_on_gpu(1)),
+             "moments": [torch.full((2,), 3.0).as_subclass(_tensor_on_gpu(1))],
+             "step": torch.tensor(7)}
+    staged = checkpoint._StagingArea().snapshot(state)
+    assert sorted(synced) == ["cuda:0", "cuda:1"]
+    assert staged["stage1"].tolist() == [2.0] * 4 and staged["moments"][0].tolist() == [3.0] * 2
+
+
+def test_snapshot_of_cpu_state_never_touches_cuda(monkeypatch):
+    from labkit import checkpoint
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronised CUDA for CPU state"))
+    staged = checkpoint._StagingArea().snapshot({"weights": torch.ones(3)})
+    assert staged["weights"].tolist() == [1.0] * 3
+
+
+def test_resume_experiment_runs_on_the_device_it_is_given(monkeypatch, tmp_path):
+    from labkit import checkpoint
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def make_model(state_mb, *, device="cpu", seed=0):
+        asked.append(device)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checkpoint, "make_model", make_model)
+    with pytest.raises(Stop):
+        checkpoint.resume_experiment(tmp_path, device="cuda")
+    assert asked == [torch.device("cuda")]
+
+
+def test_resume_experiment_on_cuda_without_a_gpu_names_the_fix(monkeypatch, tmp_path):
+    from labkit import checkpoint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="needs a CUDA GPU .* use device='cpu'"):
+        checkpoint.resume_experiment(tmp_path, device="cuda")
+
+
+def test_cuda_rng_state_is_captured_and_restored_when_cuda_is_in_use(monkeypatch):
+    generator_states = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in generator_states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = capture_training_state(model, optimizer, loader_position=3)
+    generator_states[0] = torch.tensor([9, 9, 9], dtype=torch.uint8)
+    restore_training_state(state, model, optimizer)
+    assert [s.tolist() for s in restored[0]] == [[1, 2, 3]]

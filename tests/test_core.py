@@ -184,3 +184,25 @@ def test_cpu_ms_per_item_charges_cpu_not_waiting():
     assert costs["spin"] >= 10.0 > costs["sleep"]  # 20 ms of CPU over 2 items; a sleep uses next to none
     with pytest.raises(ValueError, match="items and repeats must be >= 1, got 0 and 1"):
         cpu_ms_per_item({"spin": spin}, items=0, repeats=1)
+
+
+def test_accelerator_memory_is_read_from_the_gpu_when_there_is_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from labkit import devices
+
+    h200 = SimpleNamespace(name="NVIDIA H200", total_memory=150_754_820_096)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: h200)
+    total, note = devices.accelerator_memory_bytes()
+    assert total == h200.total_memory
+    assert "NVIDIA H200" in note and "140.4 GiB" in note
+
+
+def test_without_a_gpu_the_memory_is_a_stated_80_gib_reference(monkeypatch):
+    from labkit import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    total, note = devices.accelerator_memory_bytes()
+    assert total == 80 * 2**30
+    assert note.startswith("no GPU here") and "80 GiB" in note

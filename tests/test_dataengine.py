@@ -243,3 +243,20 @@ def test_the_native_runner_can_be_asked_for_twice_in_one_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "DAFT_ANALYTICS_ENABLED": "0"})
     assert done.stdout.strip().endswith("ok"), done.stderr
+
+
+def test_lab2_on_a_gpu_chooses_its_model_as_lab1_does_not_a_fixed_width_32(monkeypatch):
+    from labkit import loaders
+
+    monkeypatch.setattr(loaders, "ModelStep", lambda device, *, width=32: (str(device), width))
+    monkeypatch.setattr(loaders, "model_width_for", lambda device, **kw: 512)
+    sizes = dataengine.SIZES["gpu"]
+    assert dataengine.make_accelerator(sizes, "cuda") == ("cuda", 512)
+
+
+def test_lab2_on_the_cpu_uses_lab1s_stand_in():
+    from labkit.loaders import StandInAccelerator
+
+    accelerator = dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu")
+    assert isinstance(accelerator, StandInAccelerator)
+    assert accelerator.images_per_s == dataengine.SIZES["ci"].stand_in_images_per_s

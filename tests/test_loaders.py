@@ -140,3 +140,82 @@ def test_decode_bound_busy_fraction_is_supply_over_demand():
 def test_loader_explorer_shows_the_pure_functions_answer():
     current = ladder.loader_explorer(1000)
     assert "busy fraction: 0.25" in current() and "needed for 0.95: 8 " in current()
+
+
+def test_gpu_profiles_start_one_loader_worker_per_core_we_may_use():
+    from labkit.devices import loader_workers
+
+    assert ladder.SIZES["gpu"].workers == loader_workers()
+    assert ladder.SIZES["multi-gpu"].workers == loader_workers()
+
+
+def test_in_ram_batches_pin_the_host_batch_before_an_asynchronous_copy_to_a_gpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to",
+                        lambda self, *a, **kw: calls.append(("to", str(a[0]), kw.get("non_blocking"))) or self)
+    pixels = torch.zeros(8, 3, 4, 4, dtype=torch.uint8)
+    batches = loaders.InRamBatches(pixels, torch.arange(8), batch_size=4, augment=False, device="cuda")
+    assert len(list(batches)) == 2
+    assert calls == ["pin", ("to", "cuda", True)] * 2
+
+
+def test_in_ram_batches_on_the_cpu_neither_pin_nor_claim_an_asynchronous_copy(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pytest.fail("pinned a batch bound for the CPU"))
+    pixels = torch.zeros(8, 3, 4, 4, dtype=torch.uint8)
+    images, _ = next(iter(loaders.InRamBatches(pixels, torch.arange(8), batch_size=4, augment=False)))
+    assert images.device.type == "cpu"
+
+
+def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(monkeypatch):
+    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
+    monkeypatch.setattr(loaders, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
+    current = {}
+    real_step = loaders.ModelStep
+
+    def recording_step(device, *, width):
+        current["width"] = width
+        return real_step(device, width=width)
+
+    monkeypatch.setattr(loaders, "ModelStep", recording_step)
+    pick = lambda rate: loaders.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
+                                                widths=(8, 16, 32))
+    assert pick(100_000) == 8
+    assert pick(40_000) == 16
+    assert pick(20_000) == 32
+    assert pick(1_000) == 32      # none slow enough: the widest
+
+
+def test_model_width_for_times_real_steps_on_the_cpu():
+    assert loaders.model_width_for("cpu", images_per_s=1e9, batch_size=4, image_px=8, widths=(4, 8)) == 4
+    assert loaders.model_width_for("cpu", images_per_s=1e-3, batch_size=4, image_px=8, widths=(4, 8), repeats=1) == 8
+
+
+class _FakeModelStep:
+    def __init__(self, device, *, width=32):
+        self.device, self.width = str(device), width
+
+
+def _fake_gpu(monkeypatch, measured_width=256):
+    asked = []
+    monkeypatch.setattr(loaders, "ModelStep", _FakeModelStep)
+    monkeypatch.setattr(loaders, "model_width_for",
+                        lambda device, **kw: asked.append((str(device), kw)) or measured_width)
+    return asked
+
+
+def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured(monkeypatch):
+    asked = _fake_gpu(monkeypatch)
+    sizes = ladder.SIZES["gpu"]
+    gpu = profile("ci").__class__("gpu", device="cuda", ranks=2, rank_device="cpu", backend="gloo")
+    accelerator = ladder.accelerator_for(gpu, sizes)
+    assert (accelerator.device, accelerator.width) == ("cuda", 256)
+    assert asked == [("cuda", {"images_per_s": sizes.stand_in_images_per_s, "batch_size": sizes.batch_size,
+                               "image_px": sizes.image_px})]
+
+
+def test_lab1_on_the_cpu_uses_the_stand_in():
+    sizes = ladder.SIZES["ci"]
+    accelerator = ladder.accelerator_for(profile("ci"), sizes)
+    assert isinstance(accelerator, loaders.StandInAccelerator)
+    assert accelerator.images_per_s == sizes.stand_in_images_per_s

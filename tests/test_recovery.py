@@ -305,3 +305,26 @@ def test_a_hang_at_the_first_step_is_recovered_like_any_other_hang(tmp_path, cle
     assert report.detections[0].cause == "hang" and report.attempts[1].restored_step == 0
     assert rc.bit_identical(rc.final_weights(clean_run.run_dir), rc.final_weights(tmp_path / "run"))
     assert report.leftover_pids == []
+
+
+def test_a_spare_gets_the_gpu_of_the_slot_it_takes_not_the_failed_ranks(monkeypatch, tmp_path):
+    started = []
+
+    class FakePopen:
+        def __init__(self, args, *, env, **kwargs):
+            started.append(env)
+
+    monkeypatch.setattr(rc.subprocess, "Popen", FakePopen)
+    nodes = [f"node{i}" for i in range(4)]
+    assignment = [0, 2]      # rank 1's node1 was cordoned; the spare node2 took its place
+    rc._launch_attempt(tmp_path, "run-id", 1, assignment, nodes, [], {}, None, "nccl")
+    assert [(env["RANK"], env["LABKIT_NODE"], env["LOCAL_RANK"]) for env in started] == [
+        ("0", "node0", "0"), ("1", "node2", "2")]
+
+
+def test_nccl_recovery_with_fewer_gpus_than_node_slots_is_refused_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="world_size \\+ spares = 4 node slots .* this machine has 2"):
+        rc.supervise(tmp_path / "run", world_size=2, spares=2, backend="nccl", **TINY)
+    assert not (tmp_path / "run").exists()

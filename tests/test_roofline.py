@@ -127,3 +127,24 @@ def test_bad_roof_figures_are_refused():
         roofline.ridge_point(0, 1e9)
     with pytest.raises(ValueError, match="intensity must be > 0"):
         roofline.attainable_flops_per_s(0, 1e12, 1e9)
+
+
+@pytest.mark.parametrize("gpu_name, row", [
+    ("NVIDIA H100 80GB HBM3", "H100"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"),
+])
+def test_the_exact_sxm_device_names_get_their_vendor_row(gpu_name, row):
+    assert roofline.match_vendor_spec(gpu_name) is roofline.VENDOR_SPECS[row]
+
+
+@pytest.mark.parametrize("gpu_name", [
+    "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100 80GB PCIe",
+    "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-32GB",
+])
+def test_other_variants_of_a_family_get_no_vendor_row_so_the_measured_roof_is_used(gpu_name):
+    assert roofline.match_vendor_spec(gpu_name) is None
+
+
+def test_every_known_device_name_points_at_an_existing_vendor_row():
+    assert set(roofline.VENDOR_DEVICE_NAMES.values()) <= set(roofline.VENDOR_SPECS)

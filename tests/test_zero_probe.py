@@ -119,3 +119,89 @@ def test_the_one_gpu_offload_timing_reaches_one_nccl_rank_with_cuda_ops(monkeypa
     assert launched["world_size"] == 1 and launched["backend"] == "nccl"
     assert launched["configs"] == list(zp.OFFLOAD_TIMING_CONFIGS)
     assert built["accelerator"] is None and dsops.CPU_ADAM_OP in built["names"]
+
+
+class _GpuWithoutBf16:
+    """DeepSpeed's CUDA accelerator as the parent sees it on a V100 or T4."""
+
+    def is_bf16_supported(self):
+        return False
+
+    def is_fp16_supported(self):
+        return True
+
+    def device_name(self):
+        return "cuda"
+
+    def create_op_builder(self, name):
+        raise AssertionError("asked the parent's CUDA accelerator for an op the CPU ranks load")
+
+
+def test_gloo_ranks_train_in_bf16_even_when_the_parents_gpu_has_no_bf16(monkeypatch):
+    import deepspeed.accelerator
+
+    from labkit import dsops
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _GpuWithoutBf16())
+    monkeypatch.setattr(dsops, "ensure_built", lambda names, accelerator=None: None)
+    launched = {}
+
+    def fake_launch(fn, world_size, **kwargs):
+        launched.update(kwargs)
+        return [[None]] * world_size
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    zp.measure(zp.BASE_CONFIGS[:1], size=TINY, ranks=2, backend="gloo")
+    assert launched["dtype"] == "bf16"
+    assert zp.default_dtype("gloo") == "bf16"
+    assert zp.default_dtype("nccl") == "fp16"     # NCCL ranks run on that GPU: fp16 is its choice
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime 0 0
+tmpfs /tmp tmpfs rw,nosuid,nodev 0 0
+/dev/nvme0n1p1 /tmp/scratch ext4 rw,relatime 0 0
+/dev/nvme1n1 /mnt/my\\040disk xfs rw 0 0
+"""
+
+
+def test_filesystem_type_is_the_innermost_mount_holding_the_path():
+    assert zp.filesystem_type("/tmp/labkit-nvme-1", MOUNTS) == "tmpfs"
+    assert zp.filesystem_type("/tmp/scratch/labkit-nvme-1", MOUNTS) == "ext4"
+    assert zp.filesystem_type("/tmp/scratchy", MOUNTS) == "tmpfs"
+    assert zp.filesystem_type("/home/me", MOUNTS) == "overlay"
+    assert zp.filesystem_type("/mnt/my disk/x", MOUNTS) == "xfs"
+    assert zp.filesystem_type("/anything", "") == "unknown"
+
+
+class _NoOpsWanted:
+    def is_bf16_supported(self):
+        return True
+
+    def create_op_builder(self, name):
+        pytest.fail(f"looked up {name} for a folder it cannot use")
+
+
+def test_nvme_offload_into_tmpfs_is_refused_before_any_op_is_looked_up_or_built(monkeypatch, tmp_path, no_ranks):
+    from labkit import dsops
+
+    monkeypatch.setenv(zp.NVME_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(zp, "filesystem_type", lambda path, mounts_text=None: "tmpfs")
+    monkeypatch.setattr(zp, "ranks_accelerator", lambda backend=None: _NoOpsWanted())
+    monkeypatch.setattr(dsops, "ensure_built", lambda *a, **kw: pytest.fail("started a build for tmpfs"))
+    available, reason = zp.nvme_available("gpu", backend="gloo")
+    assert not available
+    assert "tmpfs" in reason and str(tmp_path) in reason and zp.NVME_DIR_ENV in reason
+    with pytest.raises(ValueError, match="NVMe offload requested but unavailable: .*tmpfs"):
+        zp.measure([zp.NVME_CONFIG], size=TINY, dtype="bf16", backend="gloo")
+
+
+def test_nvme_offload_asks_the_cpu_ranks_accelerator_for_its_op(monkeypatch, tmp_path):
+    import deepspeed.accelerator
+
+    from labkit import dsops
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _GpuWithoutBf16())
+    monkeypatch.setattr(zp, "filesystem_type", lambda path, mounts_text=None: "ext4")
+    monkeypatch.setattr(dsops, "op_is_built", lambda name, accelerator=None: accelerator == "cpu")
+    assert zp.nvme_available("gpu", backend="gloo", nvme_dir=str(tmp_path))[0]
