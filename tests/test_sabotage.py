@@ -1,0 +1,174 @@
+"""Every lab's asserts can fail: break the mechanism a lab teaches and its own assert must catch it.
+
+Each sabotage is a few lines of Python that replace a labkit function with a broken one (the
+cache that decodes again, the fused kernel that is not fused, the ZeRO stage that keeps the whole
+optimizer). The harness runs the lab's notebook with that code as an extra first cell, and writes
+the same code to a ``sitecustomize.py`` on ``PYTHONPATH`` so that every process the kernel spawns
+(ranks, DataLoader workers started by spawn) is broken the same way before it imports anything.
+Only the cells up to the expected failure run. The test passes when that cell, and no earlier
+one, fails with an ``AssertionError`` whose text names the invariant. The unsabotaged notebooks
+pass under nbval in the same suite, so each pair shows an assert that holds and can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from labkit.course import notebooks_dir
+
+REPO = Path(__file__).resolve().parent.parent
+CELL_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Sabotage:
+    notebook: str
+    name: str
+    code: str
+    fails_at: str
+    """The id of the cell whose assert must fail."""
+    says: str
+    """Text of the failing assert: its source line or its message."""
+
+
+SABOTAGES = [
+    Sabotage("01_input_pipeline", "flips depend on the worker", """
+        import torch.utils.data
+        from labkit import loaders
+        def _flip_by_worker(seed, epoch, index):
+            worker = torch.utils.data.get_worker_info()
+            return worker is not None and worker.id == 0
+        loaders.flip_decision = _flip_by_worker
+    """, fails_at="cell-28", says="do not depend on the worker count"),
+    Sabotage("01_input_pipeline", "the transformed cache decodes the JPEGs again every epoch", """
+        from labkit import ladder
+        _build = ladder.Ladder.transformed_cache
+        def _cache_that_decodes(self):
+            _, cache = _build(self)
+            return self.files(rung="transformed cache"), cache
+        ladder.Ladder.transformed_cache = _cache_that_decodes
+    """, fails_at="cell-20", says="removes the conversion bottleneck"),
+    Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
+        from labkit import dataengine, profile
+        _px = profile().pick(dataengine.SIZES).image_px
+        _packed, _decode = dataengine.write_packed, dataengine.packed_batches
+        dataengine.write_tensor_cache = lambda frame, target, image_px: _packed(frame, target)
+        dataengine.cache_batches = lambda path, batch_size: _decode(path, _px, batch_size)
+    """, fails_at="5c81458e", says="cache.disk_bytes"),
+    Sabotage("02_data_engine", "the packed file puts every image in its own row group", """
+        from labkit import dataengine
+        _packed = dataengine.write_packed
+        dataengine.write_packed = lambda frame, target, rows_per_group=128: _packed(frame, target, rows_per_group=1)
+    """, fails_at="5c81458e", says="packed.disk_bytes - files.disk_bytes"),
+    Sabotage("03_memory_movement", "the fused chain runs op by op", """
+        import torch
+        from labkit import fusion
+        fusion.fused_chain = lambda method, hidden, dtype: (
+            lambda x, bias, residual, scale, out: fusion.unfused_chain(x, bias, residual, scale, out, torch.empty_like(x)))
+    """, fails_at="cd563271", says="fused"),
+    Sabotage("03_memory_movement", "the overlapped pipeline copies and computes in turn", """
+        from labkit import overlap
+        overlap.overlapped_pipeline = overlap.serial_pipeline
+    """, fails_at="49b5270a", says="concurrent_ms"),
+    Sabotage("04_zero_memory", "ZeRO stage 3 keeps the whole optimizer state on every rank", """
+        from labkit import zero_probe
+        _config = zero_probe.deepspeed_config
+        def _stage3_as_stage0(config, **kwargs):
+            built = _config(config, **kwargs)
+            if built["zero_optimization"]["stage"] == 3:
+                built["zero_optimization"]["stage"] = 0
+            return built
+        zero_probe.deepspeed_config = _stage3_as_stage0
+    """, fails_at="a20840b0", says="one_over_n"),
+    Sabotage("04_zero_memory", "optimizer offload that keeps the optimizer on the accelerator", """
+        from labkit import zero_probe
+        _config = zero_probe.deepspeed_config
+        def _no_optimizer_offload(config, **kwargs):
+            built = _config(config, **kwargs)
+            built["zero_optimization"].pop("offload_optimizer", None)
+            return built
+        zero_probe.deepspeed_config = _no_optimizer_offload
+    """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0"),
+    Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
+        from labkit import checkpoint
+        _save = checkpoint.AsyncSaver.save
+        def _save_and_wait(self, step, state):
+            stats = _save(self, step, state)
+            self.wait()
+            return stats
+        checkpoint.AsyncSaver.save = _save_and_wait
+    """, fails_at="d5198ca9", says="async_.mean_blocked_s < sync.mean_blocked_s"),
+    Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
+        from labkit import checkpoint
+        checkpoint.restore_training_state = lambda state, model, optimizer: 0
+    """, fails_at="46f16982", says="resumed == uninterrupted"),
+    Sabotage("07_checkpoints_and_fusion", "the fused loss materialises the full logits", """
+        from labkit import fused_loss
+        fused_loss.fused_linear_cross_entropy = (
+            lambda hidden, weight, targets, **kwargs: fused_loss.unfused_linear_cross_entropy(hidden, weight, targets))
+    """, fails_at="c36eea73", says="peaks[\"fused\"].peak_bytes"),
+]
+
+
+def _sitecustomize(folder: Path, code: str) -> dict[str, str]:
+    """Environment for the kernel: ``code`` runs at the start of every Python process it spawns."""
+    (folder / "sitecustomize.py").write_text(code)
+    path = os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {"PYTHONPATH": path}
+
+
+def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str]) -> tuple[str | None, str]:
+    """Run ``first_cell`` then the notebook's cells up to ``last_cell_id``; (failing cell id, error text)."""
+    nb = nbformat.read(notebooks_dir() / f"{notebook}.ipynb", as_version=4)
+    ids = [cell.get("id") for cell in nb.cells]
+    if last_cell_id not in ids:
+        raise ValueError(f"{notebook} has no cell {last_cell_id!r}; its code cells are {ids}")
+    nb.cells = [nbformat.v4.new_code_cell(first_cell)] + nb.cells[: ids.index(last_cell_id) + 1]
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                       resources={"metadata": {"path": str(notebooks_dir())}}).execute()
+    except CellExecutionError as exc:
+        failed = next(cell for cell in nb.cells
+                      if any(out.get("output_type") == "error" for out in cell.get("outputs", [])))
+        return failed.get("id"), str(exc)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return None, ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sabotage", SABOTAGES, ids=lambda s: f"{s.notebook[:2]}-{s.name}")
+def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
+    code = textwrap.dedent(sabotage.code).strip() + "\n"
+    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code))
+    assert failed_cell is not None, f"{sabotage.name}: every cell up to {sabotage.fails_at} passed"
+    assert failed_cell == sabotage.fails_at, f"{sabotage.name}: cell {failed_cell} failed first:\n{error[-1500:]}"
+    assert "AssertionError" in error, error[-1500:]
+    assert sabotage.says in _failing_assert(error), f"another assert failed:\n{error[-1500:]}"
+
+
+def _failing_assert(error: str) -> str:
+    """The traceback's arrowed source line and the AssertionError's message, without colour codes."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", error)
+    arrowed = [line for line in plain.splitlines() if re.match(r"\s*-+>", line)]
+    message = [line for line in plain.splitlines() if line.startswith("AssertionError")]
+    return "\n".join(arrowed[-1:] + message[-1:])
+
+
+def test_the_failing_assert_is_read_from_the_traceback():
+    error = ("\x1b[31mAssertionError\x1b[39m   Traceback (most recent call last)\nCell In[13], line 9\n"
+             "\x1b[32m----> \x1b[39m\x1b[32m9\x1b[39m \x1b[38;5;28;01massert\x1b[39;00m fused.fused_ms < fused.unfused_ms\n"
+             "\x1b[31mAssertionError\x1b[39m: slower\n")
+    assert _failing_assert(error) == "----> 9 assert fused.fused_ms < fused.unfused_ms\nAssertionError: slower"
