@@ -1,16 +1,22 @@
-"""Lab 5 targets: counted bytes vs the ring model, collective bandwidth, delayed sync under emulated links.
+"""Lab 5 targets: counted bytes vs the ring model, collective bandwidth, delayed sync over shaped links.
 
-    python benchmarks/lab05_gradient_sync.py                  # 2 and 4 ranks, every part
-    python benchmarks/lab05_gradient_sync.py --world-sizes 2 --parts counts
+    python benchmarks/lab05_gradient_sync.py                      # 2 ranks, every part, one run
+    python benchmarks/lab05_gradient_sync.py --parts gradsync --runs 10 --no-deepspeed
+    LABKIT_FABRIC=emulated python benchmarks/lab05_gradient_sync.py --parts gradsync
 
-Prints figures; asserts nothing beyond reporting MATCH / MISMATCH (the tests and
-the notebook hold the asserts). Uses gloo ranks on the CPU, NCCL on a multi-GPU
-profile (``LABKIT_PROFILE=multi-gpu``).
+The gradsync part calls what Lab 5 calls (``gradsync.run_experiment``, ``print_table``):
+one rank per node of a labkit.fabric with real tbf-shaped links where the fabric
+can be built (root), the sleep emulation elsewhere; each table names its mode.
+With ``--runs`` it prints the spread of measured / model per row and how often
+the lesson's orderings held. Prints figures; asserts nothing beyond reporting
+MATCH / MISMATCH (the tests and the notebook hold the asserts).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 from labkit import collectives, gradsync, parallelism, profile
@@ -37,19 +43,38 @@ def counts_and_bandwidth(world_size: int) -> None:
               f"{row['algbw_gbytes_per_s']:>11.3f} {row['busbw_gbytes_per_s']:>11.3f}")
 
 
-def delayed_sync(world_size: int) -> None:
-    start = time.perf_counter()
-    result = gradsync.run_experiment(world_size, deepspeed_stages=(1, 2))
-    print(f"\n== {world_size} ranks: DDP under emulated links (launch {time.perf_counter() - start:.1f} s)")
-    single = result["single_device"]
-    print(f"one rank alone: {single['samples_per_s']:.1f} samples/s")
-    for row in result["ddp"]:
-        print(f"{row['link']:>16} {row['mode']:>22} acc={row['accumulation']:<2} "
-              f"all-reduces/step={row['all_reduce_calls_per_step']:>5.1f} "
-              f"ring bytes/step={row['ring_bytes_per_step']:>10.0f} step={row['step_s'] * 1e3:7.1f} ms "
-              f"{row['samples_per_s']:8.1f} samples/s")
-    for ds in result["deepspeed"]:
-        print(f"DeepSpeed ZeRO-{ds['stage']}: calls per micro-step {ds['calls_per_micro_step']}")
+def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed: bool) -> None:
+    ratios: dict[tuple[float, str], list[float]] = {}
+    held = {"delayed faster than sync-every at every rate below 100 Gbit/s": 0,
+            "sync-every slower than one rank alone at the slowest rate": 0}
+    for run in range(runs):
+        start = time.perf_counter()
+        result = gradsync.run_experiment(world_size, rates_gbit=rates_gbit, deepspeed_stages=(1, 2) if deepspeed else ())
+        print(f"\n== run {run + 1}/{runs}, {world_size} ranks one per node: launch {time.perf_counter() - start:.1f} s, "
+              f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+        gradsync.print_table(result)
+        for row in result["rows"]:
+            ratios.setdefault((row["rate_gbit"], row["mode"]), []).append(row["measured_over_model"])
+        rows, slowest = result["rows"], min(rates_gbit)
+        shaped = [rate for rate in rates_gbit if rate < max(gradsync.RATES_GBIT)]
+        held["delayed faster than sync-every at every rate below 100 Gbit/s"] += all(
+            gradsync.find_row(rows, rate_gbit=rate, mode="delayed_sync")["ms_per_sample"]
+            < gradsync.find_row(rows, rate_gbit=rate, mode="sync_every_micro_step")["ms_per_sample"]
+            for rate in shaped
+        )
+        held["sync-every slower than one rank alone at the slowest rate"] += (
+            gradsync.find_row(rows, rate_gbit=slowest, mode="sync_every_micro_step")["ms_per_sample"]
+            > result["single_device"]["ms_per_sample"]
+        )
+        for ds in result.get("deepspeed", []):
+            print(f"DeepSpeed ZeRO-{ds['stage']}: calls per micro-step {ds['calls_per_micro_step']}; "
+                  f"message bytes per optimizer step {ds['message_bytes_per_optimizer_step']}")
+    print(f"\n== measured / model over {runs} runs (min, median, max)")
+    for (rate, mode), values in ratios.items():
+        values = sorted(values)
+        print(f"{gradsync.rate_label(rate):>22} {mode:>22}: {values[0]:.3f} {statistics.median(values):.3f} {values[-1]:.3f}")
+    for name, count in held.items():
+        print(f"{name}: held {count}/{runs}")
 
 
 def tensor_parallel(world_size: int) -> None:
@@ -60,15 +85,18 @@ def tensor_parallel(world_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--runs", type=int, default=1, help="repeats of the gradsync experiment, for the spread")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(gradsync.RATES_GBIT), help="link rates, Gbit/s")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's collective counts")
     args = parser.parse_args()
     print(profile().describe(), describe_machine())
     for world_size in args.world_sizes:
         if "counts" in args.parts:
             counts_and_bandwidth(world_size)
         if "gradsync" in args.parts:
-            delayed_sync(world_size)
+            delayed_sync(world_size, args.runs, args.rates, not args.no_deepspeed)
         if "tp" in args.parts:
             tensor_parallel(world_size)
 
