@@ -1,10 +1,15 @@
-"""Lab 8 targets: recovery from a killed rank, the placement simulator's speed, the torchrun path.
+"""Lab 8 targets: recovery from a killed rank, the placement simulator's speed, the torchrun path,
+and the placement measured on real links (the bands of labkit.placement_probe).
 
-    python benchmarks/lab08_recovery_and_placement.py            # all three
+    python benchmarks/lab08_recovery_and_placement.py            # all four
     python benchmarks/lab08_recovery_and_placement.py --skip-torchrun
+    python benchmarks/lab08_recovery_and_placement.py --only-fabric --fabric-repeats 8
 
 Targets (issue 9, CI profile): a killed rank back to the next training step in <= 15 s;
-10,000 GPUs and 1,000 jobs simulated in <= 5 s. Prints figures; asserts nothing about noise.
+10,000 GPUs and 1,000 jobs simulated in <= 5 s. On the fabric (issue 16; needs root, else it says
+so and skips): per repeat and placement, measured step over the simulator's step from measured links,
+and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
+EFFICIENCY_BAND from their spread. Prints figures; asserts nothing about noise.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import placement, profile, recovery
+from labkit import fabric, placement, placement_probe, profile, recovery
 from labkit.devices import describe_machine, load_average
 
 
@@ -44,6 +49,25 @@ def simulator_speed() -> dict[str, float]:
     return timings
 
 
+def placement_on_fabric(repeats: int) -> None:
+    """The same job in one zone and across zones, ``repeats`` times: the spread the notebook's bands must hold."""
+    capability = fabric.probe()
+    print(f"placement on real links: {capability.mode} ({capability.reason})")
+    if capability.mode != "namespaces":
+        return
+    ratios: dict[str, list[float]] = {}
+    for repeat in range(repeats):
+        runs = placement_probe.measure_placements()
+        on_fabric = placement_probe.fleet_links(runs, scale=1)
+        for run in runs:
+            ratio = run.step_s / placement_probe.model_step_s(run, on_fabric)
+            ratios.setdefault(run.placement, []).append(ratio)
+            print(f"repeat {repeat}: {run.describe()}; measured/model {ratio:.3f}, link efficiency {run.link_efficiency:.3f}")
+    for name, values in ratios.items():
+        print(f"{name}: measured/model step over {len(values)} repeats: {min(values):.3f}-{max(values):.3f} "
+              f"(MODEL_BAND {placement_probe.MODEL_BAND})")
+
+
 def torchrun_restart(work: Path) -> dict:
     """The same entry point under torchrun --max-restarts: a kill, a restart, the same weights."""
     tiny = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
@@ -67,8 +91,14 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--steps-between-kills", type=int, default=150)
     parser.add_argument("--skip-torchrun", action="store_true")
+    parser.add_argument("--fabric-repeats", type=int, default=3, help="placement runs on the fabric (0: none)")
+    parser.add_argument("--only-fabric", action="store_true", help="skip recovery, simulator speed and torchrun")
     args = parser.parse_args()
     print(describe_machine(), "| load average", load_average())
+    if args.fabric_repeats:
+        placement_on_fabric(args.fabric_repeats)
+    if args.only_fabric:
+        return
     with tempfile.TemporaryDirectory(prefix="lab08-") as tmp:
         work = Path(tmp)
         for warm_standby in (False, True):
