@@ -210,4 +210,8 @@ def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1:])
+    # Run through the importable module, not this __main__ copy of it, so the probe
+    # measures the same functions a notebook (or a test that patches them) uses.
+    from labkit import fused_loss
+
+    fused_loss._main(sys.argv[1:])

@@ -88,7 +88,7 @@ SABOTAGES = [
                 built["zero_optimization"]["stage"] = 0
             return built
         zero_probe.deepspeed_config = _stage3_as_stage0
-    """, fails_at="a20840b0", says="one_over_n"),
+    """, fails_at="a20840b0", says="relative_error"),
     Sabotage("04_zero_memory", "optimizer offload that keeps the optimizer on the accelerator", """
         from labkit import zero_probe
         _config = zero_probe.deepspeed_config
@@ -98,6 +98,14 @@ SABOTAGES = [
             return built
         zero_probe.deepspeed_config = _no_optimizer_offload
     """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0"),
+    Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
+        from labkit import gradsync
+        gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step
+    """, fails_at="1b231abd", says="all_reduce_calls_per_step"),
+    Sabotage("05_gradient_sync", "a fabric whose links are not shaped", """
+        from labkit import netns
+        netns.shape = lambda *args, **kwargs: None
+    """, fails_at="5c1e0a02", says="measured_over_model"),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
         from labkit import checkpoint
         _save = checkpoint.AsyncSaver.save
@@ -111,6 +119,10 @@ SABOTAGES = [
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
     """, fails_at="46f16982", says="resumed == uninterrupted"),
+    Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
+        from labkit import netns
+        netns.shape = lambda *args, **kwargs: None
+    """, fails_at="placement-measure-asserts", says="the shaped rate"),
     Sabotage("07_checkpoints_and_fusion", "the fused loss materialises the full logits", """
         from labkit import fused_loss
         fused_loss.fused_linear_cross_entropy = (
