@@ -33,13 +33,13 @@ LABS = (
     Lab(4, "zero_memory", "Where does training memory go, and what do ZeRO and offload cost?",
         ("zero", "zero_probe"), "Olatunji Ruwase (DeepSpeed)"),
     Lab(5, "gradient_sync", "When do more devices make training slower, and how does accumulation fix it?",
-        ("collectives", "gradsync", "parallelism"), "Samyam Rajbhandari"),
+        ("collectives", "gradsync", "parallelism", "fabric"), "Samyam Rajbhandari"),
     Lab(6, "quantized_collectives", "What do quantized collectives (ZeRO++) trade for bandwidth?",
-        ("quantcomm", "zeropp"), "Guanhua Wang (ZeRO++)"),
+        ("quantcomm", "zeropp", "zeropp_fabric", "zeropp_deepspeed"), "Guanhua Wang (ZeRO++)"),
     Lab(7, "checkpoints_and_fusion", "Do checkpoints stop the world, and do kernels waste memory?",
         ("checkpoint", "interval", "fused_loss"), "Animesh Singh (LinkedIn)"),
     Lab(8, "recovery_and_placement", "Does the run finish: recovery from failures and cluster placement?",
-        ("recovery", "placement"), "Sahil Khanna (Adobe)"),
+        ("recovery", "triage", "placement", "placement_probe"), "Sahil Khanna (Adobe)"),
 )
 
 
