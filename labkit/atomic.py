@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from labkit.processes import running
+
 
 def fsync_dir(path: Path) -> None:
     """Persist a rename: the directory entry lives in the parent's inode."""
@@ -134,18 +136,8 @@ def remove_stale_temporaries(folder: str | Path) -> int:
     removed = 0
     for entry in folder.glob(".*.tmp-*"):
         pid = entry.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and _alive(int(pid)):
+        if pid.isdigit() and running(int(pid)):
             continue
         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -19,7 +19,6 @@ The same rank functions run under ``torchrun`` or the ``deepspeed`` launcher::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import multiprocessing as mp
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit import dsops
+from labkit.processes import die_with_parent, kill_group, killpg, running
 
 
 @dataclass(frozen=True)
@@ -135,25 +135,6 @@ def _init_process_group(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies.
-
-    A rank runs in its own process group, so killing a notebook's kernel (a
-    runner's hard stop, an out-of-memory kill) would otherwise leave it running.
-    A no-op where prctl does not exist (macOS): there the launcher's own cleanup
-    is all there is.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _rank_main(
     ref: str,
     rank: int,
@@ -194,56 +175,6 @@ def _rank_main(
         conn.close()
 
 
-def kill_group(pid: int | None, grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``, to the process group led by ``pid`` and to ``pid`` itself.
-
-    Signalling the pid too matters for a rank still starting up: until it has
-    called ``setpgrp`` its group does not exist and ``killpg`` alone misses it.
-    Children a rank started die with its group.
-    """
-    if pid is None:
-        return
-    deadline = time.monotonic() + grace_s
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        _signal(pid, sig)
-        while sig == signal.SIGTERM and time.monotonic() < deadline and _running(pid):
-            time.sleep(0.05)
-        if not _running(pid):
-            break
-    _killpg(pid, signal.SIGKILL)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal(pid: int, sig: int) -> None:
-    """``sig`` to the group ``pid`` leads and to ``pid`` itself."""
-    _killpg(pid, sig)
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _running(pid: int) -> bool:
-    """Alive and not yet a zombie (a zombie has exited; only its parent's wait is missing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -264,7 +195,7 @@ def remove_stale_log_dirs() -> list[Path]:
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{LOG_DIR_PREFIX}*-*"):
         pid = folder.name[len(LOG_DIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not running(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
@@ -338,7 +269,7 @@ def launch(
     finally:
         for proc in procs:
             # a rank that already exited and was reaped may have left children in its group
-            kill_group(proc.pid) if proc.exitcode is None else _killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid) if proc.exitcode is None else killpg(proc.pid, signal.SIGKILL)
             proc.join(timeout=1)
         for conn in conns:
             conn.close()

@@ -18,6 +18,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from labkit.processes import running
+
 NETNS_DIR = Path("/var/run/netns")
 CLONE_NEWNET = 0x40000000
 TBF_BURST_S = 0.001
@@ -138,20 +140,10 @@ def cleanup_stale() -> list[str]:
     removed = []
     for path in sorted(NETNS_DIR.glob("lk-*")):
         match = re.match(r"lk-(\d+)-", path.name)
-        if match and not pid_alive(int(match[1])):
+        if match and not running(int(match[1])):
             delete_netns(path.name)
             removed.append(path.name)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def can_shape() -> str:

@@ -5,7 +5,7 @@ others; its executed notebook, its figures (PNG) and its key measured figures ar
 kept under ``--out``, and ``report.md`` / ``report.html`` put them on one page.
 
 SIGINT and SIGTERM stop the whole run: the kernel's process group is killed
-(its ranks die with it, see :func:`labkit.launcher.die_with_parent`), the report
+(its ranks die with it, see :func:`labkit.processes.die_with_parent`), the report
 covers the labs that finished, and the command exits 128 + the signal number.
 nbclient runs in a worker thread so that these signals reach the runner itself:
 in the main thread nbclient installs its own handlers, which kill the current
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from labkit import results
 from labkit.course import Lab, notebooks_dir
 from labkit.devices import describe_machine
-from labkit.launcher import kill_group
+from labkit.processes import kill_group
 
 SHELL_POLL_SLICE_S = 1.0
 """Longest single wait on the kernel's shell socket before its state is checked afresh."""

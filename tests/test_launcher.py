@@ -6,6 +6,7 @@ import time
 import pytest
 
 from labkit.launcher import RankError, RankTimeout, launch
+from labkit.processes import running
 from tests import rankfns
 
 
@@ -79,7 +80,7 @@ def test_a_failed_launch_keeps_its_logs_and_names_the_folder(tmp_path, monkeypat
 def test_kill_group_stops_a_process_that_never_made_its_own_group():
     import subprocess
 
-    from labkit.launcher import kill_group
+    from labkit.processes import kill_group
 
     child = subprocess.Popen(["sleep", "60"])  # shares our process group, as a rank does before setpgrp
     kill_group(child.pid, grace_s=1)
@@ -103,18 +104,9 @@ def test_a_rank_dies_with_its_parent(tmp_path):
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 5
-    while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+    while [pid for pid in pids if running(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in pids if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for init to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [pid for pid in pids if running(pid)]
 
 
 def test_log_folders_of_dead_launchers_are_swept_up(tmp_path, monkeypatch):

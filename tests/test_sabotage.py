@@ -38,6 +38,8 @@ class Sabotage:
     """The id of the cell whose assert must fail."""
     says: str
     """Text of the failing assert: its source line or its message."""
+    needs: tuple[str, ...] = ()
+    """Ids of the cells the failing one depends on; empty: every cell before it."""
 
 
 SABOTAGES = [
@@ -48,7 +50,8 @@ SABOTAGES = [
             worker = torch.utils.data.get_worker_info()
             return worker is not None and worker.id == 0
         loaders.flip_decision = _flip_by_worker
-    """, fails_at="cell-28", says="do not depend on the worker count"),
+    """, fails_at="cell-28", says="do not depend on the worker count",
+             needs=('cell-01', 'cell-03', 'cell-05', 'cell-27')),
     Sabotage("01_input_pipeline", "the transformed cache decodes the JPEGs again every epoch", """
         from labkit import ladder
         _build = ladder.Ladder.transformed_cache
@@ -63,22 +66,26 @@ SABOTAGES = [
         _packed, _decode = dataengine.write_packed, dataengine.packed_batches
         dataengine.write_tensor_cache = lambda frame, target, image_px: _packed(frame, target)
         dataengine.cache_batches = lambda path, batch_size: _decode(path, _px, batch_size)
-    """, fails_at="5c81458e", says="cache.disk_bytes"),
+    """, fails_at="5c81458e", says="cache.disk_bytes",
+             needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
     Sabotage("02_data_engine", "the packed file puts every image in its own row group", """
         from labkit import dataengine
         _packed = dataengine.write_packed
         dataengine.write_packed = lambda frame, target, rows_per_group=128: _packed(frame, target, rows_per_group=1)
-    """, fails_at="5c81458e", says="packed.disk_bytes - files.disk_bytes"),
+    """, fails_at="5c81458e", says="packed.disk_bytes - files.disk_bytes",
+             needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
         import torch
         from labkit import fusion
         fusion.fused_chain = lambda method, hidden, dtype: (
             lambda x, bias, residual, scale, out: fusion.unfused_chain(x, bias, residual, scale, out, torch.empty_like(x)))
-    """, fails_at="cd563271", says="fused"),
+    """, fails_at="cd563271", says="fused",
+             needs=('acb2cc6c',)),
     Sabotage("03_memory_movement", "the overlapped pipeline copies and computes in turn", """
         from labkit import overlap
         overlap.overlapped_pipeline = overlap.serial_pipeline
-    """, fails_at="49b5270a", says="concurrent_ms"),
+    """, fails_at="49b5270a", says="concurrent_ms",
+             needs=('acb2cc6c',)),
     Sabotage("04_zero_memory", "ZeRO stage 3 keeps the whole optimizer state on every rank", """
         from labkit import zero_probe
         _config = zero_probe.deepspeed_config
@@ -88,7 +95,8 @@ SABOTAGES = [
                 built["zero_optimization"]["stage"] = 0
             return built
         zero_probe.deepspeed_config = _stage3_as_stage0
-    """, fails_at="a20840b0", says="relative_error"),
+    """, fails_at="a20840b0", says="relative_error",
+             needs=('40b7a698', '712e7ac5')),
     Sabotage("04_zero_memory", "optimizer offload that keeps the optimizer on the accelerator", """
         from labkit import zero_probe
         _config = zero_probe.deepspeed_config
@@ -97,15 +105,31 @@ SABOTAGES = [
             built["zero_optimization"].pop("offload_optimizer", None)
             return built
         zero_probe.deepspeed_config = _no_optimizer_offload
-    """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0"),
+    """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0",
+             needs=('40b7a698', '712e7ac5')),
     Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
         from labkit import gradsync
         gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step
-    """, fails_at="1b231abd", says="all_reduce_calls_per_step"),
+    """, fails_at="1b231abd", says="all_reduce_calls_per_step",
+             needs=('861d0932', 'a171f42a')),
     Sabotage("05_gradient_sync", "a fabric whose links are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
-    """, fails_at="5c1e0a02", says="measured_over_model"),
+    """, fails_at="5c1e0a02", says="measured_over_model",
+             needs=('861d0932', 'a171f42a', '1b231abd')),
+    Sabotage("06_quantized_collectives", "hpZ gathers weights across nodes", """
+        import torch.distributed as dist
+        from labkit import quantcomm
+        quantcomm.node_groups = lambda layout: (dist.group.WORLD, list(range(layout.world_size)))
+    """, fails_at="bytes-asserts-06", says="stay inside the node",
+             needs=("de64dbe2", "fabric-run-06", "bytes-table-06")),
+    Sabotage("06_quantized_collectives", "qwZ puts fp32 weights on the wire", """
+        import torch
+        from labkit import quantcomm
+        quantcomm.all_gather_quantized = lambda shard, *, group=None, bits=8, block_size=256: (
+            quantcomm.all_gather_plain(shard, group=group, comm_dtype=torch.float32))
+    """, fails_at="bytes-asserts-06", says="int8 weights on the wire",
+             needs=("de64dbe2", "fabric-run-06", "bytes-table-06")),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
         from labkit import checkpoint
         _save = checkpoint.AsyncSaver.save
@@ -114,20 +138,24 @@ SABOTAGES = [
             self.wait()
             return stats
         checkpoint.AsyncSaver.save = _save_and_wait
-    """, fails_at="d5198ca9", says="async_.mean_blocked_s < sync.mean_blocked_s"),
+    """, fails_at="d5198ca9", says="async_.mean_blocked_s < sync.mean_blocked_s",
+             needs=('09780d08', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
-    """, fails_at="46f16982", says="resumed == uninterrupted"),
+    """, fails_at="46f16982", says="resumed == uninterrupted",
+             needs=('09780d08', '455d5cf1')),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
-    """, fails_at="placement-measure-asserts", says="the shaped rate"),
+    """, fails_at="placement-measure-asserts", says="the shaped rate",
+             needs=('48b1b338', 'placement-measure')),
     Sabotage("07_checkpoints_and_fusion", "the fused loss materialises the full logits", """
         from labkit import fused_loss
         fused_loss.fused_linear_cross_entropy = (
             lambda hidden, weight, targets, **kwargs: fused_loss.unfused_linear_cross_entropy(hidden, weight, targets))
-    """, fails_at="c36eea73", says="peaks[\"fused\"].peak_bytes"),
+    """, fails_at="c36eea73", says="peaks[\"fused\"].peak_bytes",
+             needs=('09780d08', '9841b9d6', '9de5ef04')),
 ]
 
 
@@ -138,13 +166,21 @@ def _sitecustomize(folder: Path, code: str) -> dict[str, str]:
     return {"PYTHONPATH": path}
 
 
-def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str]) -> tuple[str | None, str]:
-    """Run ``first_cell`` then the notebook's cells up to ``last_cell_id``; (failing cell id, error text)."""
+def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str],
+              needs: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """Run ``first_cell``, then ``needs`` (or every cell before ``last_cell_id``), then that cell.
+
+    Returns the id of the first cell that failed (None if none did) and the error text.
+    """
     nb = nbformat.read(notebooks_dir() / f"{notebook}.ipynb", as_version=4)
     ids = [cell.get("id") for cell in nb.cells]
-    if last_cell_id not in ids:
-        raise ValueError(f"{notebook} has no cell {last_cell_id!r}; its code cells are {ids}")
-    nb.cells = [nbformat.v4.new_code_cell(first_cell)] + nb.cells[: ids.index(last_cell_id) + 1]
+    missing = [cell_id for cell_id in (*needs, last_cell_id) if cell_id not in ids]
+    if missing:
+        raise ValueError(f"{notebook} has no cells {missing}; its cells are {ids}")
+    chosen = nb.cells[: ids.index(last_cell_id) + 1]
+    if needs:
+        chosen = [cell for cell in chosen if cell.get("id") in {*needs, last_cell_id}]
+    nb.cells = [nbformat.v4.new_code_cell(first_cell)] + chosen
     saved = dict(os.environ)
     os.environ.update(env)
     try:
@@ -164,7 +200,8 @@ def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, 
 @pytest.mark.parametrize("sabotage", SABOTAGES, ids=lambda s: f"{s.notebook[:2]}-{s.name}")
 def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
     code = textwrap.dedent(sabotage.code).strip() + "\n"
-    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code))
+    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code),
+                                   sabotage.needs)
     assert failed_cell is not None, f"{sabotage.name}: every cell up to {sabotage.fails_at} passed"
     assert failed_cell == sabotage.fails_at, f"{sabotage.name}: cell {failed_cell} failed first:\n{error[-1500:]}"
     assert "AssertionError" in error, error[-1500:]

@@ -1,0 +1,84 @@
+"""Processes a lab starts, and how to stop them: one implementation for the launcher, the runner,
+the fabric and the crash-safe writers.
+
+Signals go to a process *group* so that whatever a rank or a kernel started dies
+with it; "running" treats a zombie as gone, because it has exited and only waits
+for its parent to collect its status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+
+def kill_group(pid: int | None, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, to the process group led by ``pid`` and to ``pid`` itself.
+
+    Signalling the pid too matters for a rank still starting up: until it has
+    called ``setpgrp`` its group does not exist and ``killpg`` alone misses it.
+    Children a rank started die with its group.
+    """
+    if pid is None:
+        return
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _signal(pid, sig)
+        while sig == signal.SIGTERM and time.monotonic() < deadline and running(pid):
+            time.sleep(0.05)
+        if not running(pid):
+            break
+    killpg(pid, signal.SIGKILL)
+
+
+def killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to the group ``pid`` leads and to ``pid`` itself."""
+    killpg(pid, sig)
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def running(pid: int) -> bool:
+    """Alive and not yet a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies.
+
+    A rank runs in its own process group, so killing a notebook's kernel (a
+    runner's hard stop, an out-of-memory kill) would otherwise leave it running.
+    A no-op where prctl does not exist (macOS): there the launcher's own cleanup
+    is all there is.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
