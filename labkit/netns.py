@@ -25,6 +25,8 @@ CLONE_NEWNET = 0x40000000
 TBF_BURST_S = 0.001
 TBF_MIN_BURST_BYTES = 128 * 1024
 TBF_QUEUE_S = 0.05
+TBF_QUEUE_SOCKETS = 8
+"""Sockets whose queued bytes the shaper must hold at once: gloo opens several per pair of ranks."""
 
 Port = tuple[str, str]
 
@@ -69,14 +71,27 @@ def shape(netns: str, ifname: str, bytes_per_s: float) -> None:
     The bucket holds 1 ms of traffic, and at least 128 KiB: TCP hands the
     interface 64 KiB GSO packets, and a bucket smaller than a packet makes tbf cut
     each one up (CPU this box lacks). 1 ms also bounds the timer to ~1000 wake-ups
-    a second, and lets a transfer run ahead of the rate by 1 ms at most. The queue
-    holds 50 ms of traffic, more than TCP's small-queue limit lets one socket park
-    there, so bulk transfers queue instead of being dropped and resent.
+    a second, and lets a transfer run ahead of the rate by 1 ms at most.
+
+    The queue must never overflow: a dropped segment is sent again, and the
+    interface counters then count more bytes than the collective sent. TCP's
+    small-queue limit lets each socket park ``tcp_limit_output_bytes`` in the
+    qdisc (4 MiB on this kernel), more than 50 ms of a slow link holds (625 KB at
+    0.1 Gbit/s: Lab 6 once counted 2.3% extra bytes there), so the queue holds
+    that much for several sockets at once.
     """
     burst_bytes = max(int(bytes_per_s * TBF_BURST_S), TBF_MIN_BURST_BYTES)
-    limit_bytes = max(int(bytes_per_s * TBF_QUEUE_S), 2 * burst_bytes)
+    limit_bytes = max(int(bytes_per_s * TBF_QUEUE_S), 2 * burst_bytes, TBF_QUEUE_SOCKETS * _socket_queue_bytes())
     run("tc", "-n", netns, "qdisc", "replace", "dev", ifname, "root", "tbf",
         "rate", f"{int(bytes_per_s * 8)}bit", "burst", str(burst_bytes), "limit", str(limit_bytes))
+
+
+def _socket_queue_bytes() -> int:
+    """TCP's per-socket small-queue limit: the most one socket parks in a qdisc."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_limit_output_bytes").read_text())
+    except (OSError, ValueError):
+        return 4 << 20
 
 
 def join(upper: Port, lower: Port, bytes_per_s: float) -> None:
@@ -98,16 +113,18 @@ def counters(netns: str) -> dict[str, dict[str, int]]:
     """Per interface in one namespace: the kernel's tx/rx byte counters, and what its root qdisc sent.
 
     A qdisc counts a TCP super-packet (GSO) as the segments it becomes, headers
-    and all, so ``qdisc_sent_bytes`` is what a wire would carry.
+    and all, so ``qdisc_sent_bytes`` is what a wire would carry; ``qdisc_drops``
+    should stay 0 (see :func:`shape`).
     """
     links = json.loads(run("ip", "-n", netns, "-s", "-j", "link", "show"))
     qdiscs = json.loads(run("tc", "-n", netns, "-s", "-j", "qdisc", "show"))
-    sent = {qdisc["dev"]: qdisc["bytes"] for qdisc in qdiscs if qdisc.get("root")}
+    roots = {qdisc["dev"]: qdisc for qdisc in qdiscs if qdisc.get("root")}
     return {
         link["ifname"]: {
             "tx_bytes": link["stats64"]["tx"]["bytes"],
             "rx_bytes": link["stats64"]["rx"]["bytes"],
-            "qdisc_sent_bytes": sent.get(link["ifname"], 0),
+            "qdisc_sent_bytes": roots.get(link["ifname"], {}).get("bytes", 0),
+            "qdisc_drops": roots.get(link["ifname"], {}).get("drops", 0),
         }
         for link in links
     }

@@ -150,6 +150,13 @@ SABOTAGES = [
         netns.shape = lambda *args, **kwargs: None
     """, fails_at="placement-measure-asserts", says="the shaped rate",
              needs=('48b1b338', 'placement-measure')),
+    Sabotage("08_recovery_and_placement", "zone packing that places jobs anywhere", """
+        from labkit import placement
+        _place = placement._place
+        placement._place = lambda state, policy, gpus, zone_capacity_gpus: _place(
+            state, "first-fit-anywhere", gpus, zone_capacity_gpus)
+    """, fails_at="e4378be9", says="mean_completion_h",
+             needs=("48b1b338", "placement-measure", "placement-links", "1a9a10fa")),
     Sabotage("07_checkpoints_and_fusion", "the fused loss materialises the full logits", """
         from labkit import fused_loss
         fused_loss.fused_linear_cross_entropy = (
