@@ -190,6 +190,19 @@ class Fabric:
         return snapshot
 
 
+def set_link_rates(links: dict[str, tuple[Port, Port]], bytes_per_s: float) -> None:
+    """Reshape both ends of every link in ``links`` (a fabric's ``links``) to ``bytes_per_s``.
+
+    One fabric can then serve a whole experiment at several rates; a rank of a
+    running job may call it between collectives (it needs root, like the fabric).
+    """
+    from labkit import netns
+
+    for lower, upper in links.values():
+        for netns_name, ifname in (lower, upper):
+            netns.shape(netns_name, ifname, bytes_per_s)
+
+
 def collective_rank(op: str = "all_reduce", message_bytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, Any]:
     """Rank function: best of ``repeats`` timed calls of one fp32 collective, after one warm-up.
 

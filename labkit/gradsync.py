@@ -244,12 +244,10 @@ def emulated_link(rate_gbit: float) -> Link:
 
 
 def set_link_rate(links: dict[str, tuple[tuple[str, str], tuple[str, str]]], rate_gbit: float) -> None:
-    """Reshape both ends of every fabric link to ``rate_gbit`` (``Fabric.links``); needs root, like the fabric."""
-    from labkit import netns
+    """Reshape every fabric link to ``rate_gbit`` (:func:`labkit.fabric.set_link_rates`)."""
+    from labkit.fabric import set_link_rates
 
-    for lower, upper in links.values():
-        for netns_name, ifname in (lower, upper):
-            netns.shape(netns_name, ifname, gbit_to_bytes_per_s(rate_gbit))
+    set_link_rates(links, gbit_to_bytes_per_s(rate_gbit))
 
 
 def _uplink_bytes() -> tuple[int, int]:

@@ -104,13 +104,11 @@ class FabricLinks:
         self.fab = fab
 
     def set_rate(self, gbit: float) -> None:
-        from labkit.netns import shape
+        from labkit.fabric import set_link_rates
 
         dist.barrier()
         if dist.get_rank() == 0:
-            for lower, upper in self.fab.links.values():
-                shape(*lower, gbit * GBIT)
-                shape(*upper, gbit * GBIT)
+            set_link_rates(self.fab.links, gbit * GBIT)
         dist.barrier()
 
     def measure(self, fn: Callable[[], Any]) -> dict[str, dict[str, int]]:
