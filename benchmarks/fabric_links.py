@@ -41,7 +41,7 @@ def group(gbit: float, nodes: int, ranks_per_node: int, ops: list[str], message_
         busiest = max(payload, key=payload.get)
         bare_s = predicted_s(op, message_bytes, topology)
         framed_s = bare_s * wire_per_payload
-        counted, wire = (getattr(traffic[busiest], name) / payload[busiest] for name in ("tx_bytes", "tx_wire_bytes"))
+        counted, wire = (getattr(traffic[busiest], name) / payload[busiest] for name in ("tx_payload_bytes", "tx_wire_bytes"))
         print(f"{gbit:>5g} {nodes}x{ranks_per_node:<3} {op:>14} {message_bytes / 2**20:>5.0f} "
               f"{measured_s * 1e3:>8.0f} {bare_s * 1e3:>8.0f} {framed_s * 1e3:>9.0f} {measured_s / framed_s:>6.2f} "
               f"{counted:>10.4f} {wire:>9.4f}")

@@ -46,21 +46,46 @@ SUBNET = "10.213.0"
 MASTER_PORT = 29500
 
 
+# Every packet an interface counts carries one set of headers: Ethernet 14 + IPv4 20 +
+# TCP 20 + the timestamp option 12, which Linux turns on in every new namespace.
+HEADER_BYTES = 66
+# Wire bytes per payload byte a shaped link can show. Every full 1448-byte segment pays
+# 66 bytes of headers (1.046), and the receiver may send up to one bare ACK per segment,
+# which crosses the same direction's shaper when traffic flows both ways (1.091); gloo's
+# small messages add a little. Outside this band the shaper did not count the link.
+WIRE_PER_PAYLOAD_BAND = (1.04, 1.10)
+
+
 @dataclass(frozen=True)
 class LinkBytes:
     """Kernel counters of one link, seen from its lower end (node or zone): tx goes up, rx down.
 
     ``tx_bytes`` and ``rx_bytes`` are the interface's counters. TCP hands it 64 KiB
     super-packets (GSO; a NIC would cut them up, TSO) with one set of headers each,
-    so they count little beyond the payload. ``*_wire_bytes`` come from the link's
-    shapers, which charge every packet the headers it carries once cut to the MTU:
-    the bytes a real wire carries, and the bytes the link's time is paid in.
+    so they count little beyond the payload, plus the ACKs for the other
+    direction: headers only, and how many depends on how the receiver's reads
+    line up with the sender's writes, which load changes (1.002-1.05x the
+    payload over one set of runs). ``*_payload_bytes`` subtract one set of headers
+    per counted packet: what the ranks wrote to their TCP sockets, ACKs gone.
+    ``*_wire_bytes`` come from the link's shapers, which charge every packet the
+    headers it carries once cut to the MTU: the bytes a real wire carries, and the
+    bytes the link's time is paid in.
     """
 
     tx_bytes: int
     rx_bytes: int
+    tx_packets: int
+    rx_packets: int
     tx_wire_bytes: int
     rx_wire_bytes: int
+
+    @property
+    def tx_payload_bytes(self) -> int:
+        return self.tx_bytes - HEADER_BYTES * self.tx_packets
+
+    @property
+    def rx_payload_bytes(self) -> int:
+        return self.rx_bytes - HEADER_BYTES * self.rx_packets
 
     def __sub__(self, other: LinkBytes) -> LinkBytes:
         return LinkBytes(*(a - b for a, b in zip(astuple(self), astuple(other))))
@@ -184,6 +209,8 @@ class Fabric:
             snapshot[link] = LinkBytes(
                 tx_bytes=lower["tx_bytes"],
                 rx_bytes=lower["rx_bytes"],
+                tx_packets=lower["tx_packets"],
+                rx_packets=lower["rx_packets"],
                 tx_wire_bytes=lower["qdisc_sent_bytes"],
                 rx_wire_bytes=upper["qdisc_sent_bytes"],
             )

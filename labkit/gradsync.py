@@ -251,15 +251,19 @@ def set_link_rate(links: dict[str, tuple[tuple[str, str], tuple[str, str]]], rat
 
 
 def _uplink_bytes() -> tuple[int, int]:
-    """(tx_bytes, wire bytes its shaper sent) of this rank's node uplink, from the kernel; (0, 0) off a fabric."""
+    """(TCP payload sent, wire bytes its shaper sent) of this rank's node uplink, from the kernel; (0, 0) off a fabric.
+
+    The payload is the interface's bytes less one set of headers per packet
+    (:class:`labkit.fabric.LinkBytes`), so the ACKs for the other direction drop out.
+    """
     name = os.environ.get("LABKIT_NETNS")
     if not name:
         return 0, 0
-    from labkit.fabric import UPLINK
+    from labkit.fabric import HEADER_BYTES, UPLINK
     from labkit.netns import counters
 
     uplink = counters(name)[UPLINK]
-    return uplink["tx_bytes"], uplink["qdisc_sent_bytes"]
+    return uplink["tx_bytes"] - HEADER_BYTES * uplink["tx_packets"], uplink["qdisc_sent_bytes"]
 
 
 def train_rank(
@@ -525,11 +529,10 @@ def add_predictions(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def sent_over_model(result: dict[str, Any]) -> float:
-    """Bytes the nodes' interfaces sent over the whole run / what the ring model says they carried.
+    """TCP payload the nodes' interfaces sent over the whole run / what the ring model says they carried.
 
-    Per window this can run a few % high: at 0.1 Gbit/s the shaper's queue now and
-    then overflows and TCP resends (``tc -s qdisc`` shows the drops). Over the run
-    the resends are a fraction of a percent.
+    Headers are subtracted (:class:`labkit.fabric.LinkBytes`), so what is left
+    above 1 is gloo's own small messages, and resends if a shaper ever dropped.
     """
     n = result["world_size"]
     sent = sum(sum(row["tx_bytes_per_step_by_rank"]) for row in result["rows"])

@@ -122,7 +122,8 @@ class FabricLinks:
             return {}
         from labkit.fabric import delta
 
-        return {link: asdict(b) for link, b in delta(before, self.fab.link_bytes()).items()}
+        return {link: {**asdict(b), "tx_payload_bytes": b.tx_payload_bytes, "rx_payload_bytes": b.rx_payload_bytes}
+                for link, b in delta(before, self.fab.link_bytes()).items()}
 
     def timing(self) -> Any:
         from contextlib import nullcontext
@@ -145,7 +146,8 @@ class EmulatedLinks:
         with zeropp.NodeAwareCounter(self.layout) as counter:
             fn()
         nbytes = counter.cross_node_bytes()
-        return {"node0": {"tx_bytes": nbytes, "rx_bytes": nbytes, "tx_wire_bytes": nbytes, "rx_wire_bytes": nbytes}}
+        return {"node0": {"tx_payload_bytes": nbytes, "rx_payload_bytes": nbytes, "tx_wire_bytes": nbytes,
+                          "rx_wire_bytes": nbytes}}
 
     def timing(self) -> Any:
         return zeropp.NodeAwareCounter(self.layout, link=self.link)
@@ -155,10 +157,10 @@ def busiest(links: dict[str, dict[str, int]], *, wire: bool = True) -> int:
     """The most bytes any link carried in one direction: the one that sets the link's time.
 
     ``wire=True`` reads the shapers (headers included: what the link's time is paid
-    in); ``wire=False`` the interfaces' counters (about the payload). 0 on ranks
-    other than 0, which read no counters.
+    in); ``wire=False`` the TCP payload (:class:`labkit.fabric.LinkBytes`). 0 on
+    ranks other than 0, which read no counters.
     """
-    fields = ("tx_wire_bytes", "rx_wire_bytes") if wire else ("tx_bytes", "rx_bytes")
+    fields = ("tx_wire_bytes", "rx_wire_bytes") if wire else ("tx_payload_bytes", "rx_payload_bytes")
     return max((b[field] for b in links.values() for field in fields), default=0)
 
 

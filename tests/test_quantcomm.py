@@ -227,10 +227,10 @@ def test_zeropp_cross_node_bytes_land_on_the_model_on_either_kind_of_link(links)
     result = zeropp_fabric.run(links=links, **TINY)
     rows = {row["variant"]: row for row in zeropp_fabric.bytes_table(result)}
     assert result["links"] == links
-    # TINY's steps move ~0.3 MB: the per-window fixed bytes (barriers ~2.5 KB, ACKs) are 1-2% of that,
-    # measured 1.020 once in CI; the notebook's sizes are held to 1.01.
+    # The counters' payload (headers subtracted) exceeds the model by gloo's own small messages only:
+    # 2.3-4.3 KB per window, to the byte in repeated runs; 1.007x on TINY's smallest window (0.34 MB).
     for row in rows.values():
-        assert 1.0 <= row["payload_vs_model"] <= 1.03, row
+        assert 1.0 <= row["payload_vs_model"] <= 1.01, row
     assert rows["ZeRO++"]["wire_vs_zero3"] <= 0.30
     assert result["grad_error"]["within_bound_everywhere"]
     assert {t["rate_gbit"] for t in zeropp_fabric.time_table(result)} == {0.5, 4.0}
