@@ -696,6 +696,15 @@ class TrainingRun:
         return sum(d for _, d in self.blocked_spans) / max(1, len(self.blocked_spans))
 
     @property
+    def mean_write_s(self) -> float:
+        """Mean seconds a background write took after ``save`` returned (0 for a sync run).
+
+        An async save that blocks for less than half of this has moved the write
+        off the training loop; one that waits for its write blocks longer than it.
+        """
+        return sum(d for _, d in self.write_spans) / max(1, len(self.write_spans))
+
+    @property
     def mean_total_s(self) -> float:
         return sum(s.total_s for s in self.saves) / max(1, len(self.saves))
 

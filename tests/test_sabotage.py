@@ -138,7 +138,7 @@ SABOTAGES = [
             self.wait()
             return stats
         checkpoint.AsyncSaver.save = _save_and_wait
-    """, fails_at="d5198ca9", says="async_.mean_blocked_s < sync.mean_blocked_s",
+    """, fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
              needs=('09780d08', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
