@@ -145,21 +145,35 @@ class Ladder:
         """The file path with 0, 1, ... DataLoader workers (0 = decode in the training loop)."""
         return {w: self.files(workers=w, rung=f"files, {w} workers") for w in workers}
 
-    def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 24) -> dict[str, MeterSummary]:
+    def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 24,
+                                 rounds: int = 3) -> dict[str, MeterSummary]:
         """The aside: a real model on the *same* CPU as the loader workers.
 
         Busy fraction counts the time the model runs. Decoding workers that share
         the model's cores make each step longer, so the meter reads "almost always
         busy" while the model trains slower than it does from RAM. Returns the
         summaries for ``"in RAM"`` and ``"files"`` (``workers`` DataLoader workers).
+
+        The two feeds take turns for ``rounds`` epochs each and each keeps its
+        fastest epoch, so load from other programs, which comes and goes, does not
+        land on one side only (run one after the other, files once came out at
+        0.9x in RAM under such load, against 0.53-0.64x on a quiet box).
         """
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
         model = loaders.ModelStep("cpu", width=width)
         paths, labels = self.paths[:num_images], self.labels[:num_images]
         pixels = torch.from_numpy(loaders.decode_files(paths, self.sizes.image_px, desc="decoding the aside's slice"))
         in_ram = loaders.InRamBatches(pixels, torch.tensor(labels), batch_size=self.sizes.batch_size)
         files = loaders.file_loader(paths, labels, batch_size=self.sizes.batch_size,
                                     image_px=self.sizes.image_px, num_workers=workers)
-        return {"in RAM": measure(in_ram, model), "files": measure(files, model)}
+        best: dict[str, MeterSummary] = {}
+        for _ in range(rounds):
+            for name, batches in (("in RAM", in_ram), ("files", files)):
+                summary = measure(batches, model)
+                if name not in best or summary.items_per_s > best[name].items_per_s:
+                    best[name] = summary
+        return best
 
     def table(self) -> list[dict[str, object]]:
         return [{"rung": rung, **summary.as_row()} for rung, summary in self.results.items()]
