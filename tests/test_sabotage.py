@@ -40,6 +40,37 @@ class Sabotage:
     """Text of the failing assert: its source line or its message."""
     needs: tuple[str, ...] = ()
     """Ids of the cells the failing one depends on; empty: every cell before it."""
+    trim: str = ""
+    """Code run after ``code`` (which must patch before anything imports what it breaks) that shrinks work
+    the failing cell does not read (see the TRIM_* notes)."""
+
+
+# Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
+# its step times at three link rates), so the sabotaged run skips the rest: 40 s -> 14 s for Lab 6's
+# launch. Each trim alone leaves its failing cell passing (checked with
+# `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
+TRIM_LAB4_NO_NVME = """
+    from labkit import zero_probe
+    zero_probe.nvme_available = lambda *args, **kwargs: (False, "NVMe offload left out: the sabotage does not read it")
+"""
+TRIM_LAB4_BASE_ONLY = TRIM_LAB4_NO_NVME + """
+    zero_probe.CPU_OFFLOAD_CONFIGS = ()
+"""
+TRIM_LAB4_OFFLOAD_AND_ITS_STAGES = TRIM_LAB4_NO_NVME + """
+    _stages = {config.stage for config in zero_probe.CPU_OFFLOAD_CONFIGS}
+    zero_probe.BASE_CONFIGS = tuple(config for config in zero_probe.BASE_CONFIGS if config.stage in _stages)
+"""
+TRIM_LAB5_RATES = """
+    import functools
+    from labkit import gradsync
+    gradsync.RATES_GBIT = ({rates})
+    gradsync.run_experiment = functools.partial(gradsync.run_experiment, rates_gbit=gradsync.RATES_GBIT)
+"""
+TRIM_LAB6_BYTES_ONLY = """
+    from labkit import profile, zeropp_fabric
+    _sizes = zeropp_fabric.SIZES[profile().name]
+    _sizes.update(rates_gbit=(max(_sizes["rates_gbit"]),), timed_steps=1, train_steps=1)
+"""
 
 
 SABOTAGES = [
@@ -96,7 +127,7 @@ SABOTAGES = [
             return built
         zero_probe.deepspeed_config = _stage3_as_stage0
     """, fails_at="a20840b0", says="relative_error",
-             needs=('40b7a698', '712e7ac5')),
+             needs=('40b7a698', '712e7ac5'), trim=TRIM_LAB4_BASE_ONLY),
     Sabotage("04_zero_memory", "optimizer offload that keeps the optimizer on the accelerator", """
         from labkit import zero_probe
         _config = zero_probe.deepspeed_config
@@ -106,30 +137,31 @@ SABOTAGES = [
             return built
         zero_probe.deepspeed_config = _no_optimizer_offload
     """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0",
-             needs=('40b7a698', '712e7ac5')),
+             needs=('40b7a698', '712e7ac5'), trim=TRIM_LAB4_OFFLOAD_AND_ITS_STAGES),
     Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
         from labkit import gradsync
         gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step
     """, fails_at="1b231abd", says="all_reduce_calls_per_step",
-             needs=('861d0932', 'a171f42a')),
+             needs=('861d0932', 'a171f42a'), trim=TRIM_LAB5_RATES.format(rates="max(gradsync.RATES_GBIT),")),
     Sabotage("05_gradient_sync", "a fabric whose links are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
     """, fails_at="5c1e0a02", says="measured_over_model",
-             needs=('861d0932', 'a171f42a', '1b231abd')),
+             needs=('861d0932', 'a171f42a', '1b231abd'),
+             trim=TRIM_LAB5_RATES.format(rates="min(gradsync.RATES_GBIT), max(gradsync.RATES_GBIT)")),
     Sabotage("06_quantized_collectives", "hpZ gathers weights across nodes", """
         import torch.distributed as dist
         from labkit import quantcomm
         quantcomm.node_groups = lambda layout: (dist.group.WORLD, list(range(layout.world_size)))
     """, fails_at="bytes-asserts-06", says="stay inside the node",
-             needs=("de64dbe2", "fabric-run-06", "bytes-table-06")),
+             needs=("de64dbe2", "fabric-run-06", "bytes-table-06"), trim=TRIM_LAB6_BYTES_ONLY),
     Sabotage("06_quantized_collectives", "qwZ puts fp32 weights on the wire", """
         import torch
         from labkit import quantcomm
         quantcomm.all_gather_quantized = lambda shard, *, group=None, bits=8, block_size=256: (
             quantcomm.all_gather_plain(shard, group=group, comm_dtype=torch.float32))
     """, fails_at="bytes-asserts-06", says="int8 weights on the wire",
-             needs=("de64dbe2", "fabric-run-06", "bytes-table-06")),
+             needs=("de64dbe2", "fabric-run-06", "bytes-table-06"), trim=TRIM_LAB6_BYTES_ONLY),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
         from labkit import checkpoint
         _save = checkpoint.AsyncSaver.save
@@ -206,13 +238,17 @@ def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, 
 @pytest.mark.slow
 @pytest.mark.parametrize("sabotage", SABOTAGES, ids=lambda s: f"{s.notebook[:2]}-{s.name}")
 def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
-    code = textwrap.dedent(sabotage.code).strip() + "\n"
+    code = _first_cell(sabotage.code, sabotage.trim)
     failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code),
                                    sabotage.needs)
     assert failed_cell is not None, f"{sabotage.name}: every cell up to {sabotage.fails_at} passed"
     assert failed_cell == sabotage.fails_at, f"{sabotage.name}: cell {failed_cell} failed first:\n{error[-1500:]}"
     assert "AssertionError" in error, error[-1500:]
     assert sabotage.says in _failing_assert(error), f"another assert failed:\n{error[-1500:]}"
+
+
+def _first_cell(*parts: str) -> str:
+    return "".join(textwrap.dedent(part).strip() + "\n" for part in parts if part.strip())
 
 
 def _failing_assert(error: str) -> str:
@@ -228,3 +264,27 @@ def test_the_failing_assert_is_read_from_the_traceback():
              "\x1b[32m----> \x1b[39m\x1b[32m9\x1b[39m \x1b[38;5;28;01massert\x1b[39;00m fused.fused_ms < fused.unfused_ms\n"
              "\x1b[31mAssertionError\x1b[39m: slower\n")
     assert _failing_assert(error) == "----> 9 assert fused.fused_ms < fused.unfused_ms\nAssertionError: slower"
+
+
+def check_trims_alone(folder: Path) -> None:
+    """Run each distinct trim without its sabotage: its failing cell must pass (no test: it costs a minute)."""
+    seen = set()
+    for sabotage in SABOTAGES:
+        if not sabotage.trim or (sabotage.notebook, sabotage.trim, sabotage.fails_at) in seen:
+            continue
+        seen.add((sabotage.notebook, sabotage.trim, sabotage.fails_at))
+        code = _first_cell(sabotage.trim)
+        failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(folder, code),
+                                       sabotage.needs)
+        print(f"{sabotage.notebook} up to {sabotage.fails_at}, trimmed for {sabotage.name!r}: "
+              + ("passes" if failed_cell is None else f"FAILS at {failed_cell}:\n{error[-1500:]}"), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    if sys.argv[1:] != ["--trims-only"]:
+        sys.exit("usage: python tests/test_sabotage.py --trims-only")
+    with tempfile.TemporaryDirectory() as folder:
+        check_trims_alone(Path(folder))
