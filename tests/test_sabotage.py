@@ -4,7 +4,7 @@ Each sabotage is a few lines of Python that replace a labkit function with a bro
 cache that decodes again, the fused kernel that is not fused, the ZeRO stage that keeps the whole
 optimizer). The harness runs the lab's notebook with that code as an extra first cell, and writes
 the same code to a ``sitecustomize.py`` on ``PYTHONPATH`` so that every process the kernel spawns
-(ranks, DataLoader workers started by spawn) is broken the same way before it imports anything.
+(ranks, DataLoader workers started by spawn) is broken the same way as soon as it imports labkit.
 Only the cells up to the expected failure run. The test passes when that cell, and no earlier
 one, fails with an ``AssertionError`` whose text names the invariant. The unsabotaged notebooks
 pass under nbval in the same suite, so each pair shows an assert that holds and can fail.
@@ -198,9 +198,43 @@ SABOTAGES = [
 ]
 
 
+_AFTER_LABKIT = """
+import importlib.util
+import sys
+
+CODE = {code!r}
+
+
+class _BreakLabkitOnImport:
+    \"\"\"Run CODE once the labkit package is imported, before any of its modules that CODE breaks.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "labkit":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_break(module):
+            exec_module(module)
+            exec(compile(CODE, "<sabotage>", "exec"), {{"__name__": "__sabotage__"}})
+
+        spec.loader.exec_module = exec_then_break
+        return spec
+
+
+sys.meta_path.insert(0, _BreakLabkitOnImport())
+"""
+
+
 def _sitecustomize(folder: Path, code: str) -> dict[str, str]:
-    """Environment for the kernel: ``code`` runs at the start of every Python process it spawns."""
-    (folder / "sitecustomize.py").write_text(code)
+    """Environment for the kernel: ``code`` runs in every Python process it spawns that imports labkit.
+
+    It runs right after the ``labkit`` package itself is imported, so processes that
+    never import labkit (DeepSpeed starts ~14 ``cpuinfo`` probes per Lab 4 run) skip
+    it: running it in every process cost Lab 4's sabotages ~25 s each.
+    """
+    (folder / "sitecustomize.py").write_text(_AFTER_LABKIT.format(code=code))
     path = os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {"PYTHONPATH": path}
 
