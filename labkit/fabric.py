@@ -31,14 +31,13 @@ import atexit
 import functools
 import itertools
 import os
-import signal
-import threading
 import time
 from dataclasses import astuple, dataclass
 from typing import Any
 
 from labkit.netns import NetnsError, Port, add_netns, add_switch, can_shape, cleanup_stale, counters, delete_netns
 from labkit.netns import join, run
+from labkit.processes import hold_sigterm, release_sigterm
 from labkit.topology import Topology
 
 UPLINK = "uplink"
@@ -147,7 +146,7 @@ class Fabric:
     def __enter__(self) -> Fabric:
         cleanup_stale()
         _open_fabrics.add(self)
-        _catch_sigterm()
+        hold_sigterm(self)
         try:
             self._build()
         except BaseException:
@@ -182,7 +181,7 @@ class Fabric:
                 errors.append(str(exc))
         self._created.clear()
         _open_fabrics.discard(self)
-        _release_sigterm()
+        release_sigterm(self)
         if errors:
             raise NetnsError("could not remove every namespace:\n" + "\n".join(errors))
 
@@ -280,29 +279,6 @@ def probe() -> Capability:
     if why_not:
         return Capability("emulated", f"{why_not}; links are emulated with sleeps (labkit.collectives)")
     return Capability("namespaces", "network namespaces, a bridge, veth pairs and tbf work: links are real and shaped")
-
-
-_sigterm_before: Any = None
-
-
-def _sigterm_to_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _catch_sigterm() -> None:
-    """Let SIGTERM unwind ``with`` blocks (and so tear down) while a fabric is open, if nobody handles it."""
-    global _sigterm_before
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        _sigterm_before = signal.signal(signal.SIGTERM, _sigterm_to_exit)
-
-
-def _release_sigterm() -> None:
-    global _sigterm_before
-    if _open_fabrics or _sigterm_before is None or threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
-        signal.signal(signal.SIGTERM, _sigterm_before)
-    _sigterm_before = None
 
 
 def _close_all() -> None:

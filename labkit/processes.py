@@ -12,7 +12,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
+from typing import Any
 
 
 def kill_group(pid: int | None, grace_s: float = 2.0) -> None:
@@ -82,3 +84,39 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
+
+
+_sigterm_holders: set[int] = set()
+_sigterm_before: Any = None
+
+
+def _sigterm_to_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def hold_sigterm(holder: object) -> None:
+    """While ``holder`` (a fabric, an object store) is open, SIGTERM raises ``SystemExit``.
+
+    By default SIGTERM ends Python without unwinding, so ``with`` blocks would
+    leave namespaces and servers behind; as an exception it tears them down. A
+    program that handles SIGTERM itself keeps its handler. Only the main thread
+    can set handlers; elsewhere this does nothing.
+    """
+    global _sigterm_before
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if not _sigterm_holders and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _sigterm_before = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    _sigterm_holders.add(id(holder))
+
+
+def release_sigterm(holder: object) -> None:
+    """Undo :func:`hold_sigterm` for ``holder``; the default comes back when no holder is left."""
+    global _sigterm_before
+    _sigterm_holders.discard(id(holder))
+    if _sigterm_holders or _sigterm_before is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
+        signal.signal(signal.SIGTERM, _sigterm_before)
+    _sigterm_before = None
+
