@@ -25,9 +25,9 @@ class Lab:
 
 LABS = (
     Lab(1, "input_pipeline", "Can the model keep the accelerator busy, or is the input path starving it?",
-        ("loaders", "ladder", "meter", "dataset"), "Kashish Mittal (Uber)"),
+        ("loaders", "ladder", "meter", "dataset", "objectstore"), "Kashish Mittal (Uber)"),
     Lab(2, "data_engine", "How should the dataset be represented and loaded by a data engine?",
-        ("catalog", "dataengine"), "Jay Chia (Eventual / Daft)"),
+        ("catalog", "dataengine", "objectstore"), "Jay Chia (Eventual / Daft)"),
     Lab(3, "memory_movement", "Is each operation limited by arithmetic or by memory movement?",
         ("roofline", "microbench", "overlap", "fusion"), "Chris Fregly"),
     Lab(4, "zero_memory", "Where does training memory go, and what do ZeRO and offload cost?",

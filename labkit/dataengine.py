@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import io
 import itertools
 import json
 import math
@@ -59,6 +58,7 @@ from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E40
 from labkit.devices import cpu_ms_per_item, host_threads  # noqa: E402
 from labkit.loaders import accelerator_for  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
+from labkit.objectstore import HttpFetch, ObjectStore, open_ranged  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class EngineSizes:
     as in Lab 1 (:func:`labkit.loaders.accelerator_for`): on a CPU, the stand-in
     emulation (it waits without using the host CPU); on a GPU, a real model step
     widened until its measured rate is about this.
-    ``latency_ms`` is the emulated per-request latency of remote object storage.
+    ``latency_ms`` is the object store's first-byte latency per request: an emulated condition
+    (:mod:`labkit.objectstore`), since this box has no remote bucket.
     ``stage_images`` caps the images whose stage costs are measured: a per-image
     average needs a sample, and Lab 1's PIL path measures in one thread.
     """
@@ -354,75 +355,9 @@ def cache_batches(path: str | Path, batch_size: int) -> Iterator[tuple[torch.Ten
     return torch_batches(daft.read_parquet(str(path)).select("image", "label"), batch_size)
 
 
-class _CountedFile(io.RawIOBase):
-    """A file whose every read is one request to the emulated store."""
-
-    def __init__(self, path: Path, store: "EmulatedObjectStore") -> None:
-        self._handle = open(path, "rb")
-        self._store = store
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._handle.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._handle.tell()
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:
-        self._store.pay_request()
-        read = self._handle.readinto(buffer)
-        self._store.bytes_read += read
-        return read
-
-    def close(self) -> None:
-        self._handle.close()
-        super().close()
-
-
-@dataclass
-class EmulatedObjectStore:
-    """An explicit emulation of remote object storage (S3, GCS, Azure Blob).
-
-    Every request -- a whole object or one byte range -- waits ``latency_ms``
-    before it returns, as a round trip to a bucket does; local files have no such
-    cost, so without this emulation the lesson would not show on one machine. It
-    counts requests honestly: each read the reader really makes is one request.
-    ``latency_ms=0`` turns the emulation off (use real storage for real numbers).
-    """
-
-    latency_ms: float = 0.0
-    requests: int = 0
-    bytes_read: int = 0
-
-    def __post_init__(self) -> None:
-        if self.latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms}")
-
-    def pay_request(self) -> None:
-        self.requests += 1
-        if self.latency_ms:
-            time.sleep(self.latency_ms / 1e3)
-
-    def get(self, path: str | Path) -> bytes:
-        """Fetch a whole object in one request."""
-        self.pay_request()
-        data = Path(path).read_bytes()
-        self.bytes_read += len(data)
-        return data
-
-    def open(self, path: str | Path) -> io.BufferedReader:
-        """A file object whose reads are ranged requests (unbuffered: one read, one request)."""
-        return io.BufferedReader(_CountedFile(Path(path), self), buffer_size=1)
-
-
 @dataclass(frozen=True)
 class FetchResult:
-    """What fetching a representation's bytes cost against the emulated store."""
+    """What fetching a representation's bytes cost from the object store, as its server logged it."""
 
     name: str
     images: int
@@ -442,44 +377,44 @@ class FetchResult:
         }
 
 
-def fetch_files(paths: Sequence[str], store: EmulatedObjectStore) -> FetchResult:
-    """Fetch every image file: one request per object."""
-    before_requests, before_bytes = store.requests, store.bytes_read
+def fetch_files(store: ObjectStore, paths: Sequence[str]) -> FetchResult:
+    """GET every image file from ``store``, one after another: one request per object."""
+    fetch = HttpFetch([store.url(path) for path in paths])
+    before = len(store.log())
     start = time.perf_counter()
-    for path in paths:
-        store.get(path)
-    return FetchResult(
-        name="files", images=len(paths), data_requests=store.requests - before_requests,
-        metadata_requests=0, bytes_read=store.bytes_read - before_bytes,
-        fetch_s=time.perf_counter() - start,
-    )
+    for index in range(len(paths)):
+        fetch(index)
+    fetch_s = time.perf_counter() - start
+    served = store.log()[before:]
+    return FetchResult(name="files", images=len(paths), data_requests=len(served), metadata_requests=0,
+                       bytes_read=sum(record["bytes"] for record in served), fetch_s=fetch_s)
 
 
 def fetch_parquet(
-    path: str | Path, store: EmulatedObjectStore, *, name: str, max_images: int | None = None,
+    store: ObjectStore, path: str | Path, *, name: str, max_images: int | None = None,
 ) -> FetchResult:
-    """Fetch a Parquet file row group by row group, as a reader on object storage does.
+    """Read a Parquet file from ``store`` row group by row group, as a reader on object storage does.
 
     pyarrow's ``pre_buffer`` coalesces one row group's column chunks into one ranged
-    request; the footer (schema, row-group offsets) costs its own request(s). With
-    ``max_images`` it stops after the row group that reaches that many images.
+    request; finding the footer (a HEAD for the size, then the footer itself) costs
+    requests of its own. With ``max_images`` it stops after the row group that
+    reaches that many images. Requests and bytes come from the server's log.
     """
+    before = len(store.log())
     start = time.perf_counter()
-    before_requests, before_bytes = store.requests, store.bytes_read
-    with store.open(path) as handle:
+    with open_ranged(store.url(path)) as handle:
         parquet = pq.ParquetFile(handle, pre_buffer=True)
-        metadata_requests = store.requests - before_requests
+        metadata_requests = len(store.log()) - before
         images = 0
         for index in range(parquet.num_row_groups):
             if max_images is not None and images >= max_images:
                 break
             images += parquet.read_row_group(index).num_rows
-    return FetchResult(
-        name=name, images=images,
-        data_requests=store.requests - before_requests - metadata_requests,
-        metadata_requests=metadata_requests, bytes_read=store.bytes_read - before_bytes,
-        fetch_s=time.perf_counter() - start,
-    )
+    fetch_s = time.perf_counter() - start
+    served = store.log()[before:]
+    return FetchResult(name=name, images=images, data_requests=len(served) - metadata_requests,
+                       metadata_requests=metadata_requests, bytes_read=sum(record["bytes"] for record in served),
+                       fetch_s=fetch_s)
 
 
 def expected_requests(num_images: int, rows_per_group: int) -> int:

@@ -16,7 +16,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from labkit import loaders
+from labkit import loaders, objectstore
 from labkit.dataset import Dataset
 from labkit.devices import host_threads, loader_workers
 from labkit.meter import MeterSummary, StepMeter
@@ -89,6 +89,8 @@ class Ladder:
     accelerator: object
     device: str = "cpu"
     results: dict[str, MeterSummary] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    """GETs the object store's server logged, per rung."""
 
     def __post_init__(self) -> None:
         paths, labels = self.dataset.paths_and_labels()
@@ -117,20 +119,36 @@ class Ladder:
         return self._record(name, measure(loader, self.accelerator, device=self.device))
 
     def remote(self) -> MeterSummary:
-        """Every object fetched through the emulated remote store, every epoch."""
+        """Every object fetched from the object store, every epoch; the server counts the GETs."""
         count = self.sizes.remote_images
-        store = loaders.RemoteStore(self.paths[:count], self.sizes.remote_latency_ms)
-        loader = store.loader(self.labels[:count], batch_size=self.sizes.batch_size,
-                              image_px=self.sizes.image_px, num_workers=self.sizes.workers)
-        return self._record("remote, no cache", measure(loader, self.accelerator, device=self.device))
+        with self._store() as store:
+            fetch = objectstore.HttpFetch([store.url(path) for path in self.paths[:count]])
+            loader = loaders.fetched_loader(fetch, self.labels[:count], batch_size=self.sizes.batch_size,
+                                            image_px=self.sizes.image_px, num_workers=self.sizes.workers)
+            summary = measure(loader, self.accelerator, device=self.device)
+            self.requests["remote, no cache"] = store.requests("GET")
+        return self._record("remote, no cache", summary)
 
     def raw_cache(self) -> tuple[MeterSummary, loaders.RawCache]:
-        """Fetch each remote object once into RAM, then train from the cached bytes."""
-        store = loaders.RemoteStore(self.paths, self.sizes.remote_latency_ms)
-        cache = loaders.RawCache.fill(store, len(self.paths))
-        loader = cache.loader(self.labels, batch_size=self.sizes.batch_size,
-                              image_px=self.sizes.image_px, num_workers=self.sizes.workers)
-        return self._record("raw cache", measure(loader, self.accelerator, device=self.device)), cache
+        """Fetch each object from the store once into RAM, then train from the cached bytes.
+
+        The store stays up while the cache trains, so its log shows that training
+        asked it for nothing.
+        """
+        with self._store() as store:
+            cache = loaders.RawCache.fill(objectstore.HttpFetch([store.url(path) for path in self.paths]),
+                                          len(self.paths))
+            filled = store.requests("GET")
+            loader = cache.loader(self.labels, batch_size=self.sizes.batch_size,
+                                  image_px=self.sizes.image_px, num_workers=self.sizes.workers)
+            summary = measure(loader, self.accelerator, device=self.device)
+            self.requests["raw cache: fill"] = filled
+            self.requests["raw cache: training"] = store.requests("GET") - filled
+        return self._record("raw cache", summary), cache
+
+    def _store(self) -> objectstore.ObjectStore:
+        """The dataset's folder served by a real HTTP server; its first-byte latency is EMULATED."""
+        return objectstore.ObjectStore(self.dataset.root, first_byte_ms=self.sizes.remote_latency_ms)
 
     def transformed_cache(self) -> tuple[MeterSummary, loaders.TransformedCache]:
         """Decode once to a pixel cache on local disk, then train from the memory map."""

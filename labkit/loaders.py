@@ -6,8 +6,9 @@ change; only where the pixels come from does:
 
 * :class:`InRamBatches` -- a training slice already decoded in RAM: the ceiling.
 * :func:`file_loader` -- the normal path: read a JPEG, decode, resize, flip.
-* :class:`RemoteStore` -- an *emulated* object store that adds a per-object GET
-  latency (this box has no remote storage; the latency is a parameter).
+* :func:`fetched_loader` -- every object fetched from an object store: a real
+  HTTP server process (:mod:`labkit.objectstore`) whose first-byte latency is an
+  emulated condition, since this box has no remote storage.
 * :class:`RawCache` -- remote bytes cached in RAM: removes the latency, keeps the
   conversion cost.
 * :class:`TransformedCache` -- decoded, resized pixels cached on local disk: the
@@ -178,26 +179,11 @@ def file_loader(paths: Sequence[str], labels: Sequence[int], *, batch_size: int,
                            draft=draft, prefetch_factor=prefetch_factor)
 
 
-class RemoteStore:
-    """EMULATED object storage: every GET waits ``latency_ms`` before reading the local file.
-
-    This box has no remote storage, so per-object latency (the dominant cost of
-    small-object reads from S3-like stores) is a parameter. It sleeps, using no
-    CPU, as a network wait would. Set ``latency_ms=0`` to switch it off.
-    """
-
-    def __init__(self, paths: Sequence[str], latency_ms: float):
-        if latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
-        self.paths, self.latency_ms = list(paths), latency_ms
-
-    def __call__(self, index: int) -> bytes:
-        time.sleep(self.latency_ms / 1e3)
-        return Path(self.paths[index]).read_bytes()
-
-    def loader(self, labels: Sequence[int], **kwargs) -> DataLoader:
-        """Every epoch fetches every object again: latency on the critical path."""
-        return _decoded_loader(self, labels, **_loader_defaults(kwargs))
+def fetched_loader(fetch: Callable[[int], bytes], labels: Sequence[int], **kwargs) -> DataLoader:
+    """The remote path: workers fetch each object with ``fetch`` (a GET to :mod:`labkit.objectstore`'s
+    server, through :class:`labkit.objectstore.HttpFetch`), then decode it. Every epoch fetches every
+    object again: the store's latency is on the critical path."""
+    return _decoded_loader(fetch, labels, **_loader_defaults(kwargs))
 
 
 class RawCache:

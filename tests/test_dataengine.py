@@ -1,6 +1,7 @@
 """Lab 2's data engine: one pipeline, three representations, the same pixels, honest request counts."""
 
 import math
+import os
 import time
 
 import daft
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from labkit import catalog, dataengine
+from labkit.objectstore import ObjectStore
 
 IMAGE_PX = 16
 ROWS_PER_GROUP = 10
@@ -68,20 +70,23 @@ def test_tensor_cache_stores_at_most_the_raw_training_pixels(stores):
 def test_packed_needs_one_request_per_row_group_not_per_image(selected, stores):
     files, packed, _ = stores
     assert packed.row_groups > 1
-    store = dataengine.EmulatedObjectStore()
     paths = selected.select("path").to_pydict()["path"]
-    assert dataengine.fetch_files(paths, store).data_requests == len(paths)
-    fetched = dataengine.fetch_parquet(packed.path, store, name="packed")
+    with ObjectStore(os.path.commonpath([*paths, str(packed.path)])) as store:
+        fetched_files = dataengine.fetch_files(store, paths)
+        assert fetched_files.data_requests == len(paths) == store.requests("GET")
+        fetched = dataengine.fetch_parquet(store, packed.path, name="packed")
+        assert fetched.data_requests + fetched.metadata_requests == store.requests() - len(paths)
+    assert fetched_files.bytes_read == sum(os.path.getsize(path) for path in paths)
     assert fetched.images == len(paths)
     assert fetched.data_requests == packed.row_groups == math.ceil(len(paths) / ROWS_PER_GROUP)
     assert dataengine.rows_per_group(packed.path) == ROWS_PER_GROUP
 
 
-def test_emulated_latency_is_paid_once_per_request(selected):
-    store = dataengine.EmulatedObjectStore(latency_ms=20)
+def test_the_stores_first_byte_latency_is_paid_once_per_request(selected):
     paths = selected.select("path").to_pydict()["path"][:5]
-    fetched = dataengine.fetch_files(paths, store)
-    assert fetched.data_requests == store.requests == 5
+    with ObjectStore(os.path.commonpath(paths), first_byte_ms=20) as store:
+        fetched = dataengine.fetch_files(store, paths)
+        assert fetched.data_requests == store.requests() == 5
     assert fetched.fetch_s >= 5 * 0.020
 
 

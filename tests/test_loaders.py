@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from labkit import ladder, loaders
+from labkit.objectstore import HttpFetch, ObjectStore
 from labkit.profiles import profile
 
 
@@ -23,11 +24,15 @@ def test_decode_returns_training_resolution_pixels(small_dataset):
 def test_every_rung_yields_the_same_labels_in_the_same_order(small_dataset, tmp_path):
     paths, labels = small_dataset.paths_and_labels()
     files = [y.tolist() for _, y in loaders.file_loader(paths, labels, batch_size=16, num_workers=2)]
-    cache = loaders.RawCache.fill(loaders.RemoteStore(paths, latency_ms=0), len(paths))
+    with ObjectStore(small_dataset.root) as store:
+        fetch = HttpFetch([store.url(path) for path in paths])
+        remote = [y.tolist() for _, y in loaders.fetched_loader(fetch, labels, batch_size=16, num_workers=2)]
+        cache = loaders.RawCache.fill(fetch, len(paths))
+        assert store.requests("GET") == 2 * len(paths), "one GET per object for each of the two passes"
     raw = [y.tolist() for _, y in cache.loader(labels, batch_size=16, num_workers=0)]
     transformed = loaders.TransformedCache.build(paths, labels, tmp_path / "c.npy", image_px=32)
     cached = [y.tolist() for _, y in transformed.loader(batch_size=16)]
-    assert files == raw == cached
+    assert files == remote == raw == cached
 
 
 def test_transformed_cache_holds_the_pixels_the_file_path_would_decode(small_dataset, tmp_path):
@@ -49,17 +54,6 @@ def test_flip_decisions_are_balanced_and_epoch_dependent():
     first = loaders.flip_decisions(0, 0, np.arange(20_000))
     assert 0.48 < first.mean() < 0.52
     assert (first != loaders.flip_decisions(0, 1, np.arange(20_000))).mean() > 0.4
-
-
-def test_remote_store_emulates_latency_without_using_cpu(small_dataset):
-    paths, _ = small_dataset.paths_and_labels()
-    store = loaders.RemoteStore(paths, latency_ms=20)
-    wall, cpu = time.perf_counter(), time.process_time()
-    store(0)
-    assert time.perf_counter() - wall >= 0.019
-    assert time.process_time() - cpu < 0.01
-    with pytest.raises(ValueError, match="latency_ms must be >= 0"):
-        loaders.RemoteStore(paths, latency_ms=-1)
 
 
 def test_stand_in_accelerator_takes_time_but_no_cpu():
