@@ -66,6 +66,10 @@ TRIM_LAB5_RATES = """
     gradsync.RATES_GBIT = ({rates})
     gradsync.run_experiment = functools.partial(gradsync.run_experiment, rates_gbit=gradsync.RATES_GBIT)
 """
+TRIM_LAB8_ASSUMED_LINKS = """
+    from labkit import fabric
+    fabric.probe = lambda: fabric.Capability("emulated", "links not measured: the sabotage reads the simulator only")
+"""
 TRIM_LAB6_BYTES_ONLY = """
     from labkit import profile, zeropp_fabric
     _sizes = zeropp_fabric.SIZES[profile().name]
@@ -188,7 +192,7 @@ SABOTAGES = [
         placement._place = lambda state, policy, gpus, zone_capacity_gpus: _place(
             state, "first-fit-anywhere", gpus, zone_capacity_gpus)
     """, fails_at="e4378be9", says="mean_completion_h",
-             needs=("48b1b338", "placement-measure", "placement-links", "1a9a10fa")),
+             needs=("48b1b338", "placement-measure", "placement-links", "1a9a10fa"), trim=TRIM_LAB8_ASSUMED_LINKS),
     Sabotage("07_checkpoints_and_fusion", "the fused loss materialises the full logits", """
         from labkit import fused_loss
         fused_loss.fused_linear_cross_entropy = (
@@ -300,10 +304,12 @@ def test_the_failing_assert_is_read_from_the_traceback():
     assert _failing_assert(error) == "----> 9 assert fused.fused_ms < fused.unfused_ms\nAssertionError: slower"
 
 
-def check_trims_alone(folder: Path) -> None:
-    """Run each distinct trim without its sabotage: its failing cell must pass (no test: it costs a minute)."""
+def check_trims_alone(folder: Path, notebooks: tuple[str, ...] = ()) -> None:
+    """Run each distinct trim without its sabotage: its failing cell must pass (no test: it costs minutes)."""
     seen = set()
     for sabotage in SABOTAGES:
+        if notebooks and not sabotage.notebook.startswith(notebooks):
+            continue
         if not sabotage.trim or (sabotage.notebook, sabotage.trim, sabotage.fails_at) in seen:
             continue
         seen.add((sabotage.notebook, sabotage.trim, sabotage.fails_at))
@@ -318,7 +324,7 @@ if __name__ == "__main__":
     import sys
     import tempfile
 
-    if sys.argv[1:] != ["--trims-only"]:
-        sys.exit("usage: python tests/test_sabotage.py --trims-only")
+    if sys.argv[1:2] != ["--trims-only"]:
+        sys.exit("usage: python tests/test_sabotage.py --trims-only [NOTEBOOK_PREFIX ...]")
     with tempfile.TemporaryDirectory() as folder:
-        check_trims_alone(Path(folder))
+        check_trims_alone(Path(folder), tuple(sys.argv[2:]))

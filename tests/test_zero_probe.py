@@ -87,22 +87,6 @@ def test_deepspeed_estimator_counts_18_bytes_where_the_paper_counts_14_or_16():
     )
 
 
-@pytest.mark.slow
-def test_real_engines_partition_optimizer_state_and_offload_it():
-    stage1, offloaded = zp.BASE_CONFIGS[1], zp.CPU_OFFLOAD_CONFIGS[1]
-    results = zp.measure([stage1, offloaded], size=TINY, ranks=2, timeout_s=300)
-    assert [m.config for m in results] == [stage1, stage1, offloaded, offloaded]
-    for m in results:
-        model = zp.predicted(m)
-        assert zp.relative_error(m.model_states, model) < 0.05
-        assert m.model_states.optimizer == model.optimizer == 12 * TINY.num_params // 2
-    s1, off = results[0], results[2]
-    assert s1.on_accelerator.params == 2 * TINY.num_params
-    assert off.on_accelerator.optimizer == 0 and off.offloaded.optimizer == s1.model_states.optimizer
-    assert off.on_accelerator.params == 0 and off.offloaded.params == TINY.num_params
-    assert off.optimizer_class == "DeepSpeedCPUAdam"
-
-
 def test_the_one_gpu_offload_timing_reaches_one_nccl_rank_with_cuda_ops(monkeypatch):
     """The gpu profile's timing call, as notebook 04 makes it, up to the launch (no GPU needed)."""
     from labkit import dsops
