@@ -55,6 +55,11 @@ HEADER_BYTES = 66
 WIRE_PER_PAYLOAD_BAND = (1.04, 1.10)
 
 
+def tcp_payload(interface_bytes: int, packets: int) -> int:
+    """What the sockets wrote, from an interface's byte and packet counters: one set of headers per packet off."""
+    return interface_bytes - HEADER_BYTES * packets
+
+
 @dataclass(frozen=True)
 class LinkBytes:
     """Kernel counters of one link, seen from its lower end (node or zone): tx goes up, rx down.
@@ -80,11 +85,11 @@ class LinkBytes:
 
     @property
     def tx_payload_bytes(self) -> int:
-        return self.tx_bytes - HEADER_BYTES * self.tx_packets
+        return tcp_payload(self.tx_bytes, self.tx_packets)
 
     @property
     def rx_payload_bytes(self) -> int:
-        return self.rx_bytes - HEADER_BYTES * self.rx_packets
+        return tcp_payload(self.rx_bytes, self.rx_packets)
 
     def __sub__(self, other: LinkBytes) -> LinkBytes:
         return LinkBytes(*(a - b for a, b in zip(astuple(self), astuple(other))))

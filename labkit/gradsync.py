@@ -259,11 +259,11 @@ def _uplink_bytes() -> tuple[int, int]:
     name = os.environ.get("LABKIT_NETNS")
     if not name:
         return 0, 0
-    from labkit.fabric import HEADER_BYTES, UPLINK
+    from labkit.fabric import UPLINK, tcp_payload
     from labkit.netns import counters
 
     uplink = counters(name)[UPLINK]
-    return uplink["tx_bytes"] - HEADER_BYTES * uplink["tx_packets"], uplink["qdisc_sent_bytes"]
+    return tcp_payload(uplink["tx_bytes"], uplink["tx_packets"]), uplink["qdisc_sent_bytes"]
 
 
 def train_rank(
