@@ -1,6 +1,27 @@
 """Shared fixtures: every test writes generated data to a scratch folder."""
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+from labkit.launcher import LOG_DIR_PREFIX
+
+
+@pytest.fixture(autouse=True)
+def _no_rank_logs_left_behind():
+    """A launch that fails keeps its ranks' logs for the reader of the error; in a test, pytest read it.
+
+    Tests that make ranks fail on purpose would otherwise leave ``labkit-ranks-*``
+    folders in the temp dir (three per suite run).
+    """
+    pattern = f"{LOG_DIR_PREFIX}{os.getpid()}-*"
+    before = set(Path(tempfile.gettempdir()).glob(pattern))
+    yield
+    for folder in set(Path(tempfile.gettempdir()).glob(pattern)) - before:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture()
