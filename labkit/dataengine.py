@@ -56,7 +56,7 @@ from daft.functions import image_to_tensor, resize  # noqa: E402
 from labkit.atomic import atomic_file  # noqa: E402
 from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E402
 from labkit.devices import cpu_ms_per_item, host_threads  # noqa: E402
-from labkit.loaders import accelerator_for  # noqa: E402
+from labkit.accelerator import accelerator_for  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
 from labkit.objectstore import HttpFetch, ObjectStore, open_ranged  # noqa: E402
 
@@ -66,7 +66,7 @@ class EngineSizes:
     """One profile's experiment sizes.
 
     ``stand_in_images_per_s`` is the rate the accelerator consumes images at, chosen
-    as in Lab 1 (:func:`labkit.loaders.accelerator_for`): on a CPU, the stand-in
+    as in Lab 1 (:func:`labkit.accelerator.accelerator_for`): on a CPU, the stand-in
     emulation (it waits without using the host CPU); on a GPU, a real model step
     widened until its measured rate is about this.
     ``latency_ms`` is the object store's first-byte latency per request: an emulated condition
@@ -460,11 +460,12 @@ def augment_batch(
 
 
 def make_accelerator(sizes: EngineSizes, device: torch.device | str) -> Accelerator:
-    """What the loader feeds, chosen as in Lab 1: the stand-in emulation on a CPU, a
-    real model step on a GPU, as wide as it measures it must be to run at about
-    ``sizes.stand_in_images_per_s`` at this lab's image size."""
+    """What the loader feeds: on a GPU a real model step, as wide as it measures it must
+    be to run at about ``sizes.stand_in_images_per_s`` at this lab's image size; on a
+    CPU the stand-in emulation. Lab 2 compares loaders with each other, each given
+    every host core; Lab 1's pinned-core model would take one of the two cores here."""
     return accelerator_for(device, images_per_s=sizes.stand_in_images_per_s, batch_size=sizes.batch_size,
-                           image_px=sizes.image_px)
+                           image_px=sizes.image_px, emulate=True)
 
 
 def measure_feed(

@@ -26,7 +26,6 @@ import functools
 import io
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset as TorchDataset
 from tqdm.auto import tqdm
 
 from labkit.atomic import atomic_file
-from labkit.devices import cpu_ms_per_item, time_ms
+from labkit.devices import cpu_ms_per_item
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -335,93 +334,6 @@ class _MemmapPixels:
 
     def __getitem__(self, index: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self.array[np.sort(index)][np.argsort(np.argsort(index))])
-
-
-class StandInAccelerator:
-    """EMULATED accelerator for CPU-only machines: it takes time but no host CPU.
-
-    A GPU runs the model without using the host's cores, so the loader has the
-    CPU to itself. Running a real model on this box's CPU would steal the
-    loader's cores and blur the diagnosis, so the stand-in just sleeps
-    ``len(batch) / images_per_s``. On a GPU, labkit uses a real model instead.
-    """
-
-    def __init__(self, images_per_s: float):
-        if images_per_s <= 0:
-            raise ValueError(f"images_per_s must be > 0, got {images_per_s}")
-        self.images_per_s = images_per_s
-
-    def step(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        time.sleep(len(images) / self.images_per_s)
-
-
-class ModelStep:
-    """A real small CNN training step at low resolution (the GPU path, and the CPU aside)."""
-
-    def __init__(self, device: torch.device | str, *, width: int = 32, num_classes: int = 10, seed: int = 0):
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
-        torch.manual_seed(seed)
-        self.device = torch.device(device)
-        self.model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), torch.nn.ReLU(),
-            torch.nn.Conv2d(2 * width, 4 * width, 3, padding=1, stride=2), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4 * width, num_classes),
-        ).to(self.device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        x = images.to(self.device, non_blocking=True).float().div_(255)
-        loss = torch.nn.functional.cross_entropy(self.model(x), labels.to(self.device, non_blocking=True))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-
-
-MODEL_WIDTHS = (32, 64, 128, 256, 512, 1024)
-
-
-def model_width_for(device: torch.device | str, *, images_per_s: float, batch_size: int, image_px: int,
-                    widths: Sequence[int] = MODEL_WIDTHS, repeats: int = 5) -> int:
-    """The narrowest :class:`ModelStep` whose measured step is no faster than ``images_per_s``.
-
-    How much work keeps a GPU busy depends on the GPU: a width-32 step is a few tiny
-    kernels that a current GPU finishes before the host has the next batch ready,
-    so even data in RAM would read as an idle accelerator. Rather than guess a width
-    per GPU, time a few training steps on a resident batch at each width (best of
-    ``repeats``) and stop at the first that runs at or below the target rate. If
-    none does, the widest is returned.
-    """
-    if images_per_s <= 0:
-        raise ValueError(f"images_per_s must be > 0, got {images_per_s}")
-    if not widths:
-        raise ValueError("widths must name at least one width")
-    _check_sizes(batch_size, 0)
-    device = torch.device(device)
-    images = torch.randint(0, 256, (batch_size, 3, image_px, image_px), dtype=torch.uint8, device=device)
-    labels = torch.randint(0, 10, (batch_size,), device=device)
-    for width in sorted(widths):
-        model = ModelStep(device, width=width)
-        best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=2, repeats=repeats))
-        if batch_size / (best_ms / 1e3) <= images_per_s:
-            return width
-    return max(widths)
-
-
-def accelerator_for(device: torch.device | str, *, images_per_s: float, batch_size: int, image_px: int
-                    ) -> StandInAccelerator | ModelStep:
-    """What a lab's loader feeds (Labs 1 and 2 share this choice).
-
-    On a CPU-only machine, the :class:`StandInAccelerator` emulation at ``images_per_s``.
-    On a GPU, a real :class:`ModelStep`, as wide as :func:`model_width_for` measures it
-    must be to run at about that rate: the loader then has the same target on both.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        return StandInAccelerator(images_per_s)
-    width = model_width_for(device, images_per_s=images_per_s, batch_size=batch_size, image_px=image_px)
-    return ModelStep(device, width=width)
 
 
 def naive_parallel_batches(paths: Sequence[str], labels: Sequence[int], *, batch_size: int,

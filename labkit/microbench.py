@@ -46,6 +46,8 @@ class MicrobenchSizes:
     matmul_sweep: tuple[int, ...]
     op_dtype: str
     repeats: int
+    intensity_elements: int = 8 * 2**20
+    intensity_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 SIZES = {
@@ -66,6 +68,8 @@ SIZES = {
         matmul_sweep=(64, 256, 1024, 4096, 8192),
         op_dtype="bfloat16",
         repeats=20,
+        intensity_elements=64 * 2**20,
+        intensity_widths=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096),
     ),
 }
 SIZES["multi-gpu"] = SIZES["gpu"]
@@ -296,3 +300,67 @@ def plain_copy_bytes_per_s(device: torch.device | str, numel: int, *, iterations
         dst.copy_(src)
     synchronize(device)
     return 2 * 4 * numel * iterations / (time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class IntensitySweep:
+    """One kind of op at rising intensity, measured: does it climb the memory roof and flatten at compute?"""
+
+    points: list[OpMeasurement]
+    peak_flops_per_s: float
+    bandwidth_bytes_per_s: float
+
+    @property
+    def ridge(self) -> float:
+        return roofline.ridge_point(self.peak_flops_per_s, self.bandwidth_bytes_per_s)
+
+    def crossover_intensity(self, share: float = 0.5) -> float:
+        """The lowest swept intensity whose achieved FLOP/s reaches ``share`` of the measured compute peak.
+
+        On the roofline an op reaches half the peak at half the ridge; a real
+        kernel gets there later, so this is where the climb measurably turns into
+        the flat part. ``inf`` if no point got there.
+        """
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        reached = [p.cost.intensity for p in self.points if p.flops_per_s >= share * self.peak_flops_per_s]
+        return min(reached, default=float("inf"))
+
+    def climb(self) -> float:
+        """Achieved FLOP/s of the most intense point over the least intense one."""
+        return self.points[-1].flops_per_s / self.points[0].flops_per_s
+
+    def over_memory_roof(self) -> list[OpMeasurement]:
+        """Points below the ridge that beat intensity x bandwidth by more than the noise: a wrong byte count."""
+        return [p for p in self.points if p.cost.intensity < self.ridge
+                and p.flops_per_s > p.cost.intensity * self.bandwidth_bytes_per_s * (1 + MEASUREMENT_TOLERANCE)]
+
+
+def intensity_sweep(device: torch.device | str, peaks: DevicePeaks, dtype: str | None = None,
+                    chosen: MicrobenchSizes | None = None) -> IntensitySweep:
+    """``x [M, K] @ w [K, K]`` for rising K, with ``M * K`` fixed.
+
+    Every call moves about the same bytes (x in, the result out) while its FLOPs
+    grow with K, so intensity is about K / (2 x element size): a knob from far
+    below the ridge to far above it, with one kernel per call. Memory-bound
+    points should climb with intensity and compute-bound ones flatten at the
+    compute roof. A real kernel turns later than the roofline's corner: how
+    much later is what this measures.
+    """
+    chosen = chosen or sizes()
+    dtype = roofline.dtype_name(dtype or chosen.op_dtype)
+    tdtype = torch_dtype(dtype)
+    device = torch.device(device)
+    points = []
+    with torch.inference_mode(), matmul_precision(dtype):
+        for width in tqdm(chosen.intensity_widths, desc="intensity sweep", leave=False):
+            rows = max(1, chosen.intensity_elements // width)
+            x = torch.randn(rows, width, device=device).to(tdtype)
+            w = torch.randn(width, width, device=device).to(tdtype)
+            out = torch.empty(rows, width, device=device, dtype=tdtype)
+            ms = best_ms(lambda: torch.matmul(x, w, out=out), device, repeats=chosen.repeats)
+            points.append(OpMeasurement(roofline.matmul(rows, width, width, dtype), ms))
+            del x, w, out
+    # The compute roof is the best FLOP/s any measurement reached (as in measure_matmul_flops).
+    peak = max(peaks.matmul_flops_per_s[dtype], *(p.flops_per_s for p in points))
+    return IntensitySweep(points, peak, peaks.bandwidth_bytes_per_s)

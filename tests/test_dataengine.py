@@ -141,7 +141,7 @@ def test_each_sample_is_its_image_flipped_or_not_and_shifted_by_at_most_shift_px
 
 def test_step_meter_sees_every_image_but_the_first_batch(stores):
     _, _, cache = stores
-    from labkit.loaders import StandInAccelerator
+    from labkit.accelerator import StandInAccelerator
 
     summary = dataengine.measure_feed(
         dataengine.cache_batches(cache.path, 16), StandInAccelerator(images_per_s=50_000)
@@ -251,16 +251,16 @@ def test_the_native_runner_can_be_asked_for_twice_in_one_process():
 
 
 def test_lab2_on_a_gpu_chooses_its_model_as_lab1_does_not_a_fixed_width_32(monkeypatch):
-    from labkit import loaders
+    from labkit import accelerator
 
-    monkeypatch.setattr(loaders, "ModelStep", lambda device, *, width=32: (str(device), width))
-    monkeypatch.setattr(loaders, "model_width_for", lambda device, **kw: 512)
+    monkeypatch.setattr(accelerator, "ModelStep", lambda device, *, width=32: (str(device), width))
+    monkeypatch.setattr(accelerator, "model_width_for", lambda device, **kw: 512)
     sizes = dataengine.SIZES["gpu"]
     assert dataengine.make_accelerator(sizes, "cuda") == ("cuda", 512)
 
 
 def test_lab2_on_the_cpu_uses_lab1s_stand_in():
-    from labkit.loaders import StandInAccelerator
+    from labkit.accelerator import StandInAccelerator
 
     accelerator = dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu")
     assert isinstance(accelerator, StandInAccelerator)

@@ -1,12 +1,14 @@
 """Lab 1's loaders: same batches from every rung, deterministic, and honest emulations."""
 
-import time
 
 import numpy as np
 import pytest
 import torch
 
+from labkit import accelerator as accel
 from labkit import ladder, loaders
+from labkit.accelerator import StandInAccelerator
+from labkit.meter import MeterSummary
 from labkit.objectstore import HttpFetch, ObjectStore
 from labkit.profiles import profile
 
@@ -56,16 +58,6 @@ def test_flip_decisions_are_balanced_and_epoch_dependent():
     assert (first != loaders.flip_decisions(0, 1, np.arange(20_000))).mean() > 0.4
 
 
-def test_stand_in_accelerator_takes_time_but_no_cpu():
-    stand_in = loaders.StandInAccelerator(images_per_s=1000)
-    wall, cpu = time.perf_counter(), time.process_time()
-    stand_in.step(torch.zeros(50, 3, 8, 8))
-    assert time.perf_counter() - wall >= 0.049
-    assert time.process_time() - cpu < 0.01
-    with pytest.raises(ValueError, match="images_per_s must be > 0"):
-        loaders.StandInAccelerator(0)
-
-
 def test_naive_sharded_loading_skews_labels_and_labkit_does_not(small_dataset):
     paths, labels = small_dataset.paths_and_labels()
     naive = loaders.naive_parallel_batches(paths, labels, batch_size=20, workers=2)
@@ -105,14 +97,14 @@ def test_loader_arguments_are_checked(small_dataset):
     with pytest.raises(TypeError, match="unknown loader arguments"):
         loaders.RawCache([b""]).loader([0], batch=4)
     with pytest.raises(ValueError, match="workers must be >= 0"):
-        ladder.LadderSizes(num_images=10, image_px=32, batch_size=4, workers=-1, stand_in_images_per_s=1,
+        ladder.LadderSizes(num_images=10, image_px=32, batch_size=4, workers=-1, accelerator_images_per_s=1,
                            remote_latency_ms=0, remote_images=1, fast_epochs=1)
 
 
 def test_the_ladder_measures_each_rung(small_dataset):
     sizes = ladder.LadderSizes(num_images=120, image_px=32, batch_size=20, workers=1,
-                               stand_in_images_per_s=2000, remote_latency_ms=2, remote_images=40, fast_epochs=1)
-    run = ladder.Ladder(small_dataset, sizes, ladder.accelerator_for(profile("ci"), sizes))
+                               accelerator_images_per_s=2000, remote_latency_ms=2, remote_images=40, fast_epochs=1)
+    run = ladder.Ladder(small_dataset, sizes, StandInAccelerator(sizes.accelerator_images_per_s))
     run.in_ram()
     run.remote()
     assert set(run.results) == {"in RAM", "remote, no cache"}
@@ -161,30 +153,6 @@ def test_in_ram_batches_on_the_cpu_neither_pin_nor_claim_an_asynchronous_copy(mo
     assert images.device.type == "cpu"
 
 
-def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(monkeypatch):
-    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
-    monkeypatch.setattr(loaders, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
-    current = {}
-    real_step = loaders.ModelStep
-
-    def recording_step(device, *, width):
-        current["width"] = width
-        return real_step(device, width=width)
-
-    monkeypatch.setattr(loaders, "ModelStep", recording_step)
-    pick = lambda rate: loaders.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
-                                                widths=(8, 16, 32))
-    assert pick(100_000) == 8
-    assert pick(40_000) == 16
-    assert pick(20_000) == 32
-    assert pick(1_000) == 32      # none slow enough: the widest
-
-
-def test_model_width_for_times_real_steps_on_the_cpu():
-    assert loaders.model_width_for("cpu", images_per_s=1e9, batch_size=4, image_px=8, widths=(4, 8)) == 4
-    assert loaders.model_width_for("cpu", images_per_s=1e-3, batch_size=4, image_px=8, widths=(4, 8), repeats=1) == 8
-
-
 class _FakeModelStep:
     def __init__(self, device, *, width=32):
         self.device, self.width = str(device), width
@@ -192,8 +160,8 @@ class _FakeModelStep:
 
 def _fake_gpu(monkeypatch, measured_width=256):
     asked = []
-    monkeypatch.setattr(loaders, "ModelStep", _FakeModelStep)
-    monkeypatch.setattr(loaders, "model_width_for",
+    monkeypatch.setattr(accel, "ModelStep", _FakeModelStep)
+    monkeypatch.setattr(accel, "model_width_for",
                         lambda device, **kw: asked.append((str(device), kw)) or measured_width)
     return asked
 
@@ -202,14 +170,39 @@ def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured(monkeypatch):
     asked = _fake_gpu(monkeypatch)
     sizes = ladder.SIZES["gpu"]
     gpu = profile("ci").__class__("gpu", device="cuda", ranks=2, rank_device="cpu", backend="gloo")
-    accelerator = ladder.accelerator_for(gpu, sizes)
+    accelerator = ladder.accelerator_for(gpu, sizes, dataset=None)
     assert (accelerator.device, accelerator.width) == ("cuda", 256)
-    assert asked == [("cuda", {"images_per_s": sizes.stand_in_images_per_s, "batch_size": sizes.batch_size,
+    assert asked == [("cuda", {"images_per_s": sizes.accelerator_images_per_s, "batch_size": sizes.batch_size,
                                "image_px": sizes.image_px})]
 
 
-def test_lab1_on_the_cpu_uses_the_stand_in():
+def test_lab1_on_the_cpu_runs_a_real_model_on_its_own_core_sized_to_the_loader(small_dataset, monkeypatch):
+    sizes = ladder.LadderSizes(num_images=40, image_px=8, batch_size=8, workers=2, accelerator_images_per_s=1,
+                               remote_latency_ms=0, remote_images=1, fast_epochs=1)
+    monkeypatch.setattr(loaders, "stage_costs", lambda paths, image_px: {"resize": 2.0})   # 500 images/s
+    monkeypatch.setattr(accel, "split_cores", lambda: ({1}, {0}))
+    made = []
+    monkeypatch.setattr(accel, "CoreAccelerator", lambda **kw: made.append(kw) or "core")
+    assert ladder.accelerator_for(profile("ci"), sizes, small_dataset) == "core"
+    assert made[0]["images_per_s"] == pytest.approx(ladder.ACCELERATOR_OVER_LOADER * 1 * 500)
+    assert made[0]["cores"] == ({1}, {0})
+
+
+def test_lab1_falls_back_to_the_stand_in_on_one_core(monkeypatch):
+    monkeypatch.setattr(accel, "split_cores", lambda: None)
     sizes = ladder.SIZES["ci"]
-    accelerator = ladder.accelerator_for(profile("ci"), sizes)
-    assert isinstance(accelerator, loaders.StandInAccelerator)
-    assert accelerator.images_per_s == sizes.stand_in_images_per_s
+    accelerator = ladder.accelerator_for(profile("ci"), sizes, dataset=None)
+    assert isinstance(accelerator, StandInAccelerator)
+    assert accelerator.images_per_s == sizes.accelerator_images_per_s
+    assert "EMULATED" in accel.describe(accelerator)
+
+
+def test_workers_hide_compute_behind_decoding_by_the_meters_arithmetic():
+    def summary(images_per_s, compute_ms):
+        return MeterSummary(steps=10, items=1000, wait_ms=0, compute_ms=compute_ms, busy_fraction=0.5,
+                            items_per_s=images_per_s, step_ms=1, load_avg=0)
+    # decode 1 ms + compute 0.5 ms per image in series; overlapped, 1 ms per image
+    assert ladder.hidden_compute_fraction(summary(1000 / 1.5, 500), summary(1000, 500)) == pytest.approx(1.0)
+    assert ladder.hidden_compute_fraction(summary(1000, 500), summary(1000, 500)) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="measured items and compute time"):
+        ladder.hidden_compute_fraction(summary(1000, 500), summary(1000, 0))

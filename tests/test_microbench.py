@@ -13,6 +13,8 @@ TINY = microbench.MicrobenchSizes(
     matmul_sweep=(8, 64),
     op_dtype="float32",
     repeats=2,
+    intensity_elements=2**16,
+    intensity_widths=(1, 4, 16),
 )
 
 
@@ -71,3 +73,29 @@ def test_unsupported_dtype_and_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="must be a positive integer"):
         microbench.measure_matmul_flops("cpu", 0)
     assert roofline.dtype_name(torch.float16) == "float16"
+
+
+def test_the_intensity_sweep_moves_the_same_bytes_at_rising_flops(peaks):
+    sweep = microbench.intensity_sweep("cpu", peaks, "float32", TINY)
+    intensities = [p.cost.intensity for p in sweep.points]
+    assert intensities == sorted(intensities) and len(intensities) == len(TINY.intensity_widths)
+    moved = [p.cost.bytes_moved for p in sweep.points]
+    assert max(moved) < 1.5 * min(moved), "M x K is fixed: about the same bytes each call"
+    assert sweep.peak_flops_per_s >= max(p.flops_per_s for p in sweep.points)
+
+
+def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_flagged():
+    def point(intensity, ms):   # intensity * 1e6 FLOPs over 1e6 bytes in ms
+        return microbench.OpMeasurement(roofline.OpCost("op", intensity * 1e6, 1e6, "float32"), ms)
+
+    sweep = microbench.IntensitySweep([point(1, 100.0), point(10, 100.0), point(100, 100.0)],
+                                      peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e8)
+    assert sweep.ridge == 10
+    assert sweep.crossover_intensity() == 100      # 1e7, 1e8, 1e9 FLOP/s: only the last reaches 5e8
+    assert sweep.climb() == pytest.approx(100)
+    assert sweep.over_memory_roof() == []
+    beater = point(1, 1.0)                         # 1e9 FLOP/s at intensity 1: 10x the memory roof
+    assert microbench.IntensitySweep([beater], 1e9, 1e8).over_memory_roof() == [beater]
+    assert microbench.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
+    with pytest.raises(ValueError, match="share must be in"):
+        sweep.crossover_intensity(0)

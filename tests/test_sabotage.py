@@ -95,6 +95,16 @@ SABOTAGES = [
             return self.files(rung="transformed cache"), cache
         ladder.Ladder.transformed_cache = _cache_that_decodes
     """, fails_at="cell-20", says="removes the conversion bottleneck"),
+    Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
+        from labkit import ladder
+        ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
+    """, fails_at="cell-08", says="with data in RAM the accelerator should be busy"),
+    Sabotage("01_input_pipeline", "the loader ignores its workers and decodes in the training loop", """
+        from labkit import loaders
+        _file_loader = loaders.file_loader
+        loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
+    """, fails_at="cell-23", says="workers overlap decoding with compute",
+             needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-22")),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile
         _px = profile().pick(dataengine.SIZES).image_px

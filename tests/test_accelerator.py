@@ -1,0 +1,130 @@
+"""The accelerators Labs 1 and 2 feed: a real model on its own core, and the stand-in emulation."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from labkit import accelerator as accel
+from labkit.processes import running
+
+needs_two_cores = pytest.mark.skipif(accel.split_cores() is None,
+                                     reason="a core of its own for the accelerator needs two cores")
+
+
+def test_stand_in_accelerator_takes_time_but_no_cpu():
+    stand_in = accel.StandInAccelerator(images_per_s=1000)
+    wall, cpu = time.perf_counter(), time.process_time()
+    stand_in.step(torch.zeros(50, 3, 8, 8))
+    assert time.perf_counter() - wall >= 0.049
+    assert time.process_time() - cpu < 0.01
+    with pytest.raises(ValueError, match="images_per_s must be > 0"):
+        accel.StandInAccelerator(0)
+
+
+def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(monkeypatch):
+    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
+    monkeypatch.setattr(accel, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
+    current = {}
+    real_step = accel.ModelStep
+
+    def recording_step(device, *, width):
+        current["width"] = width
+        return real_step(device, width=width)
+
+    monkeypatch.setattr(accel, "ModelStep", recording_step)
+    pick = lambda rate: accel.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
+                                                widths=(8, 16, 32))
+    assert pick(100_000) == 8
+    assert pick(40_000) == 16
+    assert pick(20_000) == 32
+    assert pick(1_000) == 32      # none slow enough: the widest
+
+
+def test_model_width_for_times_real_steps_on_the_cpu():
+    assert accel.model_width_for("cpu", images_per_s=1e9, batch_size=4, image_px=8, widths=(4, 8)) == 4
+    assert accel.model_width_for("cpu", images_per_s=1e-3, batch_size=4, image_px=8, widths=(4, 8), repeats=1) == 8
+
+
+
+
+@pytest.fixture(scope="module")
+def core_accelerator():
+    with accel.CoreAccelerator(images_per_s=1e9, batch_size=16, image_px=8) as accelerator:
+        yield accelerator
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _allowed_cores(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as status:
+        return next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
+
+
+@needs_two_cores
+def test_the_core_accelerator_computes_in_its_own_process_on_its_own_core(core_accelerator):
+    pid = core_accelerator._process.pid
+    assert _allowed_cores(pid) == ",".join(map(str, sorted(core_accelerator.cores)))
+    assert core_accelerator.width == 2   # the narrowest width when any rate will do
+    images, labels = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8), torch.zeros(16, dtype=torch.int64)
+    before, host_before = _cpu_seconds(pid), time.process_time()
+    for _ in range(200):
+        core_accelerator.step(images, labels)
+    spent, host_spent = _cpu_seconds(pid) - before, time.process_time() - host_before
+    assert spent > 0.05, "the steps ran in the accelerator's process"
+    assert spent > host_spent, "the host only handed the batches over"
+
+
+@needs_two_cores
+def test_host_side_pins_the_loop_to_the_other_cores_and_restores_it(core_accelerator):
+    before = os.sched_getaffinity(0)
+    with core_accelerator.host_side():
+        assert os.sched_getaffinity(0) == core_accelerator.host_cores
+        assert torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == before
+
+
+@needs_two_cores
+def test_a_batch_larger_than_the_buffer_is_refused(core_accelerator):
+    with pytest.raises(ValueError, match="a batch must hold 1 to 16 images, got 17"):
+        core_accelerator.step(torch.zeros(17, 3, 8, 8, dtype=torch.uint8), torch.zeros(17, dtype=torch.int64))
+
+
+@needs_two_cores
+def test_an_answer_left_by_an_interrupted_wait_is_discarded(core_accelerator):
+    images, labels = torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64)
+    core_accelerator._sent += 1
+    core_accelerator._conn.send((core_accelerator._sent, 4))   # a step whose host stopped waiting
+    time.sleep(0.2)
+    core_accelerator.step(images, labels)
+    assert not core_accelerator._conn.poll(0.2)
+
+
+@needs_two_cores
+def test_closing_stops_the_process_and_a_dead_process_is_reported():
+    accelerator = accel.CoreAccelerator(images_per_s=1e9, batch_size=4, image_px=8)
+    pid = accelerator._process.pid
+    accelerator._process.kill()
+    accelerator._process.join()
+    with pytest.raises(RuntimeError, match="the accelerator process died while (running a step|waiting for an earlier step)"):
+        accelerator.step(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    accelerator.close()
+    assert not running(pid)
+
+
+def test_bad_sizes_are_refused_before_a_process_starts():
+    with pytest.raises(ValueError, match="images_per_s must be > 0, got 0"):
+        accel.CoreAccelerator(images_per_s=0, batch_size=4, image_px=8)
+    with pytest.raises(ValueError, match="batch_size and image_px must be >= 1, got 0 and 8"):
+        accel.CoreAccelerator(images_per_s=1, batch_size=0, image_px=8)
+
+
+def test_one_core_leaves_none_for_the_accelerator(monkeypatch):
+    monkeypatch.setattr(accel, "split_cores", lambda: None)
+    with pytest.raises(RuntimeError, match="needs two cores"):
+        accel.CoreAccelerator(images_per_s=1, batch_size=4, image_px=8)
