@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
@@ -415,6 +415,54 @@ def fetch_parquet(
     return FetchResult(name=name, images=images, data_requests=len(served) - metadata_requests,
                        metadata_requests=metadata_requests, bytes_read=sum(record["bytes"] for record in served),
                        fetch_s=fetch_s)
+
+
+@dataclass(frozen=True)
+class PushdownReads:
+    """Bytes the object store served for three Daft reads of one packed Parquet file."""
+
+    whole_bytes: int
+    """Every column of every row."""
+    projected_bytes: int
+    """``select("label")``: projection pushdown fetches that column's chunks only."""
+    filtered_bytes: int
+    """``where(image_id <= the first row group's max)``: filter pushdown skips row groups by their statistics."""
+    row_groups: int
+
+    def as_row(self) -> dict[str, object]:
+        return {"whole_MB": round(self.whole_bytes / 1e6, 3), "label_column_MB": round(self.projected_bytes / 1e6, 3),
+                "first_row_group_MB": round(self.filtered_bytes / 1e6, 3), "row_groups": self.row_groups}
+
+
+def read_parquet_url(url: str) -> daft.DataFrame:
+    """Daft's lazy Parquet scan of ``url``: what it later reads depends on the plan pushed into it."""
+    return daft.read_parquet(url)
+
+
+def pushdown_reads(store: ObjectStore, path: str | Path) -> PushdownReads:
+    """Read a packed file from ``store`` whole, one column, and one row group's rows; bytes from the server's log.
+
+    Daft pushes a ``select`` and a ``where`` into its Parquet scan: a column that is
+    not asked for is not fetched, and a row group whose min/max statistics exclude
+    the filter is skipped. The server's log shows whether that happened.
+    """
+    metadata = pq.ParquetFile(path).metadata
+    image_id = metadata.schema.names.index("image_id")
+    first_max = metadata.row_group(0).column(image_id).statistics.max
+    url = store.url(path)
+
+    def served(query: Callable[[daft.DataFrame], daft.DataFrame]) -> int:
+        """Bytes served from planning the scan (Daft reads the footer then) to the last row."""
+        before = len(store.log())
+        query(read_parquet_url(url)).collect()
+        return sum(record["bytes"] for record in store.log()[before:])
+
+    return PushdownReads(
+        whole_bytes=served(lambda frame: frame),
+        projected_bytes=served(lambda frame: frame.select("label")),
+        filtered_bytes=served(lambda frame: frame.where(col("image_id") <= first_max)),
+        row_groups=metadata.num_row_groups,
+    )
 
 
 def expected_requests(num_images: int, rows_per_group: int) -> int:

@@ -13,6 +13,7 @@ the next build waits forever).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,13 +93,20 @@ def accelerator_for(backend: str) -> str | None:
 
 
 def ensure_built(
-    names: tuple[str, ...] = (COMM_OP,), *, accelerator: str | None = None, verbose: bool = True
+    names: tuple[str, ...] = (COMM_OP,), *, accelerator: str | None = None, verbose: bool = True,
+    in_process: bool = False,
 ) -> dict[str, float]:
-    """Build (or load) each op in this process; returns seconds spent per op.
+    """Build each op that is not built yet, before any rank needs it; returns seconds spent per op.
 
     ``accelerator="cpu"`` builds the ops CPU ranks load even on a GPU machine, where
     DeepSpeed's own choice would be CUDA's. Ops the accelerator does not have (the
     CPU comm op under CUDA) are skipped. The first build's cost is printed, not hidden.
+
+    The build runs in a child process (``python -m labkit.dsops``) unless
+    ``in_process``: DeepSpeed's compatibility probe for async_io compiles a test
+    program with stderr redirected through its file descriptor, which a Jupyter
+    kernel's stderr does not have, so in a notebook the probe says "not
+    compatible" for an op that builds and loads fine in the ranks.
     """
     use_environment_extensions_dir()
     for lock in clear_stale_locks():
@@ -112,17 +120,33 @@ def ensure_built(
         if verbose and not cached:
             print(f"building DeepSpeed op {builder.NAME} (once per environment, 1-4 min)...", flush=True)
         start = time.perf_counter()
-        builder.load(verbose=False)
+        if in_process:
+            builder.load(verbose=False)
+        elif not cached:
+            _build_in_child(name, accelerator)
         seconds[name] = time.perf_counter() - start
         if verbose and not cached:
             print(f"built {builder.NAME} in {seconds[name]:.0f} s into {os.environ[ENV_VAR]}")
     return seconds
 
 
+def _build_in_child(name: str, accelerator: str | None) -> None:
+    command = [sys.executable, "-m", "labkit.dsops", name] + (["--accelerator", accelerator] if accelerator else [])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building DeepSpeed op {name} failed ({' '.join(command)}); its output ends:\n"
+                           f"{(done.stdout + done.stderr)[-3000:]}")
+
+
 def main() -> int:
-    """``python -m labkit.dsops [op ...]``: pre-build ops (CI and Binder call this)."""
-    names = tuple(sys.argv[1:]) or (COMM_OP, CPU_ADAM_OP)
-    spent = ensure_built(names)
+    """``python -m labkit.dsops [op ...] [--accelerator cpu]``: pre-build ops (CI and Binder call this)."""
+    args = sys.argv[1:]
+    accelerator = None
+    if "--accelerator" in args:
+        at = args.index("--accelerator")
+        accelerator, args = args[at + 1], args[:at] + args[at + 2:]
+    names = tuple(args) or (COMM_OP, CPU_ADAM_OP)
+    spent = ensure_built(names, accelerator=accelerator, in_process=True)
     for name, secs in spent.items():
         print(f"{name}: ready ({secs:.1f} s)")
     return 0

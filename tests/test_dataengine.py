@@ -82,6 +82,16 @@ def test_packed_needs_one_request_per_row_group_not_per_image(selected, stores):
     assert dataengine.rows_per_group(packed.path) == ROWS_PER_GROUP
 
 
+def test_daft_pushes_projection_and_row_group_filters_into_the_scan_as_the_server_sees(stores):
+    _, packed, _ = stores
+    with ObjectStore(packed.path.parent) as store:
+        reads = dataengine.pushdown_reads(store, packed.path)
+    assert reads.row_groups == packed.row_groups > 1
+    assert reads.whole_bytes >= packed.disk_bytes
+    assert reads.projected_bytes < reads.whole_bytes / 2
+    assert reads.filtered_bytes < reads.whole_bytes / 2
+
+
 def test_the_stores_first_byte_latency_is_paid_once_per_request(selected):
     paths = selected.select("path").to_pydict()["path"][:5]
     with ObjectStore(os.path.commonpath(paths), first_byte_ms=20) as store:

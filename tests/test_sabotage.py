@@ -119,6 +119,12 @@ SABOTAGES = [
         dataengine.write_packed = lambda frame, target, rows_per_group=128: _packed(frame, target, rows_per_group=1)
     """, fails_at="5c81458e", says="packed.disk_bytes - files.disk_bytes",
              needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
+    Sabotage("02_data_engine", "the reader fetches the whole file and filters in memory", """
+        import daft
+        from labkit import dataengine
+        dataengine.read_parquet_url = lambda url: daft.from_arrow(daft.read_parquet(url).to_arrow())
+    """, fails_at="pushdown-02", says="projection pushdown",
+             needs=("ea9b2598", "ec76baf4", "9134b9d0", "5c81458e")),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
         import torch
         from labkit import fusion
