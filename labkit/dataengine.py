@@ -58,6 +58,7 @@ from labkit.catalog import CatalogError, catalog_path, read_catalog  # noqa: E40
 from labkit.devices import cpu_ms_per_item, host_threads  # noqa: E402
 from labkit.accelerator import accelerator_for  # noqa: E402
 from labkit.meter import MeterSummary, StepMeter  # noqa: E402
+from labkit import processes  # noqa: E402
 from labkit.objectstore import HttpFetch, ObjectStore, open_ranged  # noqa: E402
 
 
@@ -611,15 +612,36 @@ def run_pipeline(
     )
 
 
+def _run_runner(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run one runner's subprocess in its own session; past ``timeout_s`` stop its whole group and raise."""
+    env = {**os.environ, "DAFT_ANALYTICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            processes.kill_group(child.pid)
+            child.communicate()
+            raise RuntimeError(f"{' '.join(command[2:])} did not finish within {timeout_s:.0f} s; stopped it and "
+                               f"every process it started") from None
+        except BaseException:   # an interrupted cell: stop the runner and its Ray node too
+            processes.kill_group(child.pid)
+            child.communicate()
+            raise
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
 def compare_runners(
     catalog: str | Path, *, image_px: int, limit: int, runners: Sequence[str] = RUNNERS,
     ray_address: str | None = None, timeout_s: float = 300.0,
 ) -> list[RunnerResult]:
     """Run the same pipeline once per runner, each in a fresh ``python -m labkit.dataengine``.
 
-    Ray is skipped, with the reason, when it is not installed, when ``LABKIT_SKIP_RAY``
-    is set, or when a local Ray node cannot start in time (an overloaded machine);
-    any other failure raises with the subprocess's error output.
+    Ray is skipped, with the reason, only when it is not installed or ``LABKIT_SKIP_RAY``
+    is set. A Ray that is installed and does not start or finish in time is a
+    failure, raised with its error output: a skip would hide exactly the problem a
+    learner needs to see. Each runner runs in its own session, and a runner that
+    overruns is stopped with every process it started (Ray's node among them).
     """
     results = []
     for runner in runners:
@@ -636,21 +658,11 @@ def compare_runners(
         if ray_address:
             command += ["--ray-address", ray_address]
         start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout_s,
-                env={**os.environ, "DAFT_ANALYTICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"},
-            )
-        except subprocess.TimeoutExpired:
-            if runner != "ray":
-                raise
-            results.append(RunnerResult(runner=runner, skipped=f"Ray did not finish within {timeout_s:.0f} s"))
-            continue
-        if done.returncode != 0 and runner == "ray" and RAY_START_TIMEOUT in done.stderr:
-            results.append(RunnerResult(runner=runner, skipped=f"Ray could not start here: {RAY_START_TIMEOUT}"))
-            continue
+        done = _run_runner(command, timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"runner {runner!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            hint = (f" A local Ray node did not start in time; on a busy machine retry, or set {SKIP_RAY_ENV}=1 "
+                    "to leave Ray out on purpose." if RAY_START_TIMEOUT in done.stderr else "")
+            raise RuntimeError(f"runner {runner!r} failed (exit {done.returncode}).{hint}\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         results.append(RunnerResult(**{**result, "process_s": time.perf_counter() - start}))
     return results

@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 import time
 
 import daft
@@ -185,14 +186,19 @@ def test_native_runner_in_a_subprocess_decodes_the_selected_images(small_dataset
     assert native.label_sum == sum(table.column("label").to_pylist())
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(dataengine.ray_unavailable_reason() is not None,
-                    reason=f"Ray runner unavailable: {dataengine.ray_unavailable_reason()}")
-def test_ray_runner_gives_the_native_result(small_dataset):
-    native, ray = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=24)
-    if ray.skipped:
-        pytest.skip(ray.skipped)
-    assert (ray.images, ray.label_sum, ray.pixel_sum) == (native.images, native.label_sum, native.pixel_sum)
+def test_a_runner_that_overruns_is_stopped_with_what_it_started_and_named(tmp_path):
+    from labkit.processes import running
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, time, pathlib; child = subprocess.Popen(['sleep', '60']); "
+              f"pathlib.Path({str(pid_file)!r}).write_text(str(child.pid)); time.sleep(60)")
+    with pytest.raises(RuntimeError, match="did not finish within 2 s; stopped it and every process it started"):
+        dataengine._run_runner([sys.executable, "-c", script], timeout_s=2)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(grandchild), "a Ray node the runner started would be left behind"
 
 
 def test_a_file_lost_after_the_check_is_named_by_the_pipeline(tmp_path):
