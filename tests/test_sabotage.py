@@ -86,7 +86,7 @@ SABOTAGES = [
             return worker is not None and worker.id == 0
         loaders.flip_decision = _flip_by_worker
     """, fails_at="cell-28", says="do not depend on the worker count",
-             needs=('cell-01', 'cell-03', 'cell-05', 'cell-27')),
+             needs=('cell-01', 'cell-05', 'cell-27')),
     Sabotage("01_input_pipeline", "the transformed cache decodes the JPEGs again every epoch", """
         from labkit import ladder
         _build = ladder.Ladder.transformed_cache
