@@ -93,7 +93,7 @@ CPU_WIDTHS = tuple(range(2, 33))
 
 
 def model_width_for(device: torch.device | str, *, images_per_s: float, batch_size: int, image_px: int,
-                    widths: Sequence[int] = GPU_WIDTHS, repeats: int = 5) -> int:
+                    widths: Sequence[int] = GPU_WIDTHS, repeats: int = 5, warmup: int = 2) -> int:
     """The narrowest :class:`ModelStep` whose measured step is no faster than ``images_per_s``.
 
     How much work keeps an accelerator busy depends on the accelerator: a width-32
@@ -114,7 +114,7 @@ def model_width_for(device: torch.device | str, *, images_per_s: float, batch_si
     labels = torch.randint(0, 10, (batch_size,), device=device)
     for width in sorted(widths):
         model = ModelStep(device, width=width)
-        best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=2, repeats=repeats))
+        best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=warmup, repeats=repeats))
         if batch_size / (best_ms / 1e3) <= images_per_s:
             return width
     return max(widths)
@@ -249,9 +249,9 @@ def _serve(conn, images: torch.Tensor, labels: torch.Tensor, cores: list[int], i
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         width = model_width_for("cpu", images_per_s=images_per_s, batch_size=len(images),
-                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=3)
+                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=2, warmup=1)
         model = ModelStep("cpu", width=width)
-        measured_ms = min(time_ms(lambda: model.step(images, labels), warmup=1, repeats=3))
+        measured_ms = min(time_ms(lambda: model.step(images, labels), warmup=1, repeats=2))
         conn.send(("ready", (width, len(images) / (measured_ms / 1e3))))
         while (request := conn.recv()) is not None:
             sequence, count = request

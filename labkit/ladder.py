@@ -83,7 +83,7 @@ def accelerator_for(profile: Profile, sizes: LadderSizes, dataset: Dataset) -> a
         return accel.accelerator_for(profile.device, images_per_s=sizes.accelerator_images_per_s,
                                      batch_size=sizes.batch_size, image_px=sizes.image_px)
     paths, _ = dataset.paths_and_labels()
-    decode_ms = loaders.stage_costs(paths[:200], sizes.image_px)["resize"]
+    decode_ms = loaders.stage_costs(paths[:100], sizes.image_px, repeats=1)["resize"]
     loader_cores = max(1, min(sizes.workers, len(cores[1])))
     images_per_s = ACCELERATOR_OVER_LOADER * loader_cores * 1e3 / decode_ms
     return accel.CoreAccelerator(images_per_s=images_per_s, batch_size=sizes.batch_size,

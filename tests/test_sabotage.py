@@ -94,7 +94,8 @@ SABOTAGES = [
             _, cache = _build(self)
             return self.files(rung="transformed cache"), cache
         ladder.Ladder.transformed_cache = _cache_that_decodes
-    """, fails_at="cell-20", says="removes the conversion bottleneck"),
+    """, fails_at="cell-20", says="removes the conversion bottleneck",
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "cell-12", "cell-14", "cell-17")),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
@@ -104,7 +105,7 @@ SABOTAGES = [
         _file_loader = loaders.file_loader
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
-             needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-22")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-22")),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile
         _px = profile().pick(dataengine.SIZES).image_px
