@@ -285,8 +285,8 @@ def describe(accelerator: Accelerator) -> str:
                 f"measured there at {accelerator.images_per_s:.0f} images/s; the loop and loader workers "
                 f"run on core(s) {sorted(accelerator.host_cores)}")
     if isinstance(accelerator, StandInAccelerator):
-        return (f"EMULATED: sleeps batch / {accelerator.images_per_s:.0f} images/s and uses no CPU "
-                "(this process may use one core, so none can be set apart for a real model)")
+        return (f"EMULATED: sleeps batch / {accelerator.images_per_s:.0f} images/s and uses no CPU, so its busy "
+                "time is chosen, not measured (a real model needs a core of its own, and this process may use one)")
     return f"a real CNN (width {accelerator.width}) on {accelerator.device}"
 
 

@@ -27,6 +27,7 @@ from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
 from labkit.profiles import Profile
 
+
 @dataclass(frozen=True)
 class LadderSizes:
     num_images: int
