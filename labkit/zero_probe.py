@@ -532,8 +532,9 @@ def measure(
         if not available:
             raise ValueError(f"NVMe offload requested but unavailable: {reason}")
         ops.append(dsops.ASYNC_IO_OP)
-        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=parent)
     dsops.ensure_built(tuple(ops), accelerator=dsops.accelerator_for(backend))
+    if dsops.ASYNC_IO_OP in ops:  # made after the build, so a failed build leaves no folder behind
+        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=nvme_parent_dir())
     try:
         per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,
                           configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)
