@@ -21,8 +21,10 @@ whose loopback can be shaped, but not the named namespaces a fabric joins.)
 
 Teardown: on leaving the ``with`` block, on exceptions, at interpreter exit, and on
 SIGTERM, which is turned into ``SystemExit`` while a fabric is open, unless the
-program already handles SIGTERM. A process killed outright leaves its namespaces;
-the next fabric's :func:`cleanup_stale` removes those whose pid is dead.
+program already handles SIGTERM. A process killed outright cannot tear down; a
+reaper process in its own session (:func:`labkit.netns.start_reaper`) deletes its
+namespaces once it is gone, and the next fabric's :func:`cleanup_stale` removes any
+whose creator is dead.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import time
 from dataclasses import astuple, dataclass
 from typing import Any
 
-from labkit.netns import NetnsError, Port, add_netns, add_switch, can_shape, cleanup_stale, counters, delete_netns
+from labkit.netns import (NetnsError, Port, add_netns, add_switch, can_shape, cleanup_stale, counters, delete_netns,
+                          start_reaper)
 from labkit.netns import join, run
 from labkit.processes import hold_sigterm, release_sigterm
 from labkit.topology import Topology
@@ -152,6 +155,7 @@ class Fabric:
         cleanup_stale()
         _open_fabrics.add(self)
         hold_sigterm(self)
+        self._reaper = start_reaper(self.prefix)
         try:
             self._build()
         except BaseException:
@@ -187,6 +191,11 @@ class Fabric:
         self._created.clear()
         _open_fabrics.discard(self)
         release_sigterm(self)
+        reaper = getattr(self, "_reaper", None)
+        if reaper is not None:
+            reaper.terminate()
+            reaper.wait()
+            self._reaper = None
         if errors:
             raise NetnsError("could not remove every namespace:\n" + "\n".join(errors))
 

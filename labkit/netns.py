@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from labkit.processes import running
@@ -178,6 +179,37 @@ def cleanup_stale() -> list[str]:
             delete_netns(path.name)
             removed.append(path.name)
     return removed
+
+
+REAPER = """
+import os, subprocess, sys, time
+pid, prefix, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def alive():
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while alive():
+    time.sleep(0.5)
+for name in sorted(os.listdir(folder), reverse=True):
+    if name.startswith(prefix + "-"):
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+"""
+
+
+def start_reaper(prefix: str) -> subprocess.Popen:
+    """A small process that deletes the ``prefix-*`` namespaces once this process is gone.
+
+    Named namespaces outlive the process that made them. A kernel killed outright
+    (SIGKILL, the out-of-memory killer, a runner that was itself killed) cannot
+    tear its fabric down, so a watcher in its own session does it. Plain Python,
+    not labkit: importing torch would cost it a second and 100+ MB. Stop it with
+    ``terminate()`` once the fabric is removed the normal way.
+    """
+    return subprocess.Popen([sys.executable, "-c", REAPER, str(os.getpid()), prefix, str(NETNS_DIR)],
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
 
 
 def can_shape() -> str:

@@ -18,7 +18,9 @@ import base64
 import html
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -144,10 +146,35 @@ def _execute_stoppably(client: _ProgressClient) -> str:
         while worker.is_alive():
             worker.join(0.2)
     except BaseException:
-        kill_group(client.kernel_pid())
+        kernel_pid = client.kernel_pid()
+        kill_group(kernel_pid, grace_s=KERNEL_GRACE_S)
         worker.join(30)
+        remove_what_a_killed_kernel_left(kernel_pid)
         raise
     return outcome[0]
+
+
+KERNEL_GRACE_S = 10.0
+"""How long a stopped kernel gets to unwind after SIGTERM (a fabric tears down its namespaces then)."""
+
+
+def remove_what_a_killed_kernel_left(kernel_pid: int | None) -> None:
+    """Namespaces and rank log folders of a kernel that was killed before it could remove them.
+
+    The kernel normally tears its fabric down and removes its rank logs itself; one
+    that outlived its grace period was killed mid-way. Its namespaces carry its pid
+    (:func:`labkit.netns.cleanup_stale` removes those whose creator is dead), and so
+    do its ranks' log folders, which nobody reads after a stop.
+    """
+    from labkit import launcher, netns
+
+    try:
+        netns.cleanup_stale()
+    except (netns.NetnsError, OSError):   # no fabric here, or no right to remove one
+        pass
+    if kernel_pid is not None:
+        for folder in Path(tempfile.gettempdir()).glob(f"{launcher.LOG_DIR_PREFIX}{kernel_pid}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -> LabRun:

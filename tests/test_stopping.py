@@ -45,20 +45,24 @@ def _env(tag: str) -> dict[str, str]:
     return {**os.environ, "LABKIT_TEST_TAG": tag, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
 
 
+def _one_cell_course(tmp_path: Path, cell: str) -> str:
+    """The code that runs ``labkit run 1`` on a course whose Lab 1 is the single code cell ``cell``."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(cell)]
+    nbformat.write(nb, notebooks / "01_input_pipeline.ipynb")
+    return ("import sys; from pathlib import Path; from labkit import runner, cli; "
+            f"runner.notebooks_dir = lambda: Path({str(notebooks)!r}); "
+            f"sys.exit(cli.main(['run', '1', '--out', {str(tmp_path / 'out')!r}]))")
+
+
 @pytest.fixture()
 def hanging_lab(tmp_path):
     """A one-lab course whose only code cell launches two ranks that never finish."""
-    notebooks = tmp_path / "notebooks"
-    notebooks.mkdir()
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(LAUNCH_HANGING_RANKS.format(pid_dir=str(pid_dir)))]
-    nbformat.write(nb, notebooks / "01_input_pipeline.ipynb")
-    runner = ("import sys; from pathlib import Path; from labkit import runner, cli; "
-              f"runner.notebooks_dir = lambda: Path({str(notebooks)!r}); "
-              f"sys.exit(cli.main(['run', '1', '--out', {str(tmp_path / 'out')!r}]))")
-    return runner, pid_dir
+    return _one_cell_course(tmp_path, LAUNCH_HANGING_RANKS.format(pid_dir=str(pid_dir))), pid_dir
 
 
 @pytest.mark.slow
@@ -101,3 +105,33 @@ def test_interrupting_a_cell_that_launched_ranks_stops_them_and_the_next_cell_wo
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     _wait_for(lambda: not _tagged(tag), 15, "the kernel to end")
+
+
+OPEN_A_FABRIC_AND_WAIT = ("import pathlib, time\nfrom labkit import fabric\nfrom labkit.topology import Topology\n"
+                          "with fabric.Fabric(Topology(nodes=2, inter_node_bytes_per_s=1e8)) as fab:\n"
+                          "    pathlib.Path({ready!r}).write_text(fab.prefix)\n    time.sleep(300)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_stopping_labkit_run_while_a_fabric_is_open_leaves_no_namespace(tmp_path, sig):
+    from labkit import fabric, netns
+
+    if fabric.probe().mode != "namespaces":
+        pytest.skip(fabric.probe().reason)
+    ready = tmp_path / "fabric.prefix"
+    tag = uuid.uuid4().hex
+    run = subprocess.Popen([sys.executable, "-c", _one_cell_course(tmp_path, OPEN_A_FABRIC_AND_WAIT.format(
+        ready=str(ready)))], env=_env(tag), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(ready.exists, 120, "the fabric to come up")
+        prefix = ready.read_text()
+        assert list(netns.NETNS_DIR.glob(f"{prefix}-*")), "the fabric made its namespaces"
+        run.send_signal(sig)
+        run.wait(timeout=30)
+        _wait_for(lambda: not list(netns.NETNS_DIR.glob(f"{prefix}-*")), 15, f"the {prefix}-* namespaces to go")
+        _wait_for(lambda: not _tagged(tag), 15, f"every tagged process to end (left: {_tagged(tag)})")
+    finally:
+        run.kill()
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
