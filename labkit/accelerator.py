@@ -19,6 +19,7 @@ measured, not declared:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -93,7 +94,8 @@ CPU_WIDTHS = tuple(range(2, 33))
 
 
 def model_width_for(device: torch.device | str, *, images_per_s: float, batch_size: int, image_px: int,
-                    widths: Sequence[int] = GPU_WIDTHS, repeats: int = 5, warmup: int = 2) -> int:
+                    widths: Sequence[int] = GPU_WIDTHS, repeats: int = 5, warmup: int = 2,
+                    closest: bool = False) -> int:
     """The narrowest :class:`ModelStep` whose measured step is no faster than ``images_per_s``.
 
     How much work keeps an accelerator busy depends on the accelerator: a width-32
@@ -101,7 +103,9 @@ def model_width_for(device: torch.device | str, *, images_per_s: float, batch_si
     next batch ready, so even data in RAM would read as an idle accelerator. Rather
     than guess a width, time training steps on a resident batch at each width (best
     of ``repeats``) and stop at the first that runs at or below the target rate. If
-    none does, the widest is returned.
+    none does, the widest is returned. ``closest`` returns whichever of that width
+    and the one before it is nearer the target (by ratio): on a CPU one width step
+    changes the rate by 30-60%, so "at or below" alone can land far below it.
     """
     if images_per_s <= 0:
         raise ValueError(f"images_per_s must be > 0, got {images_per_s}")
@@ -112,11 +116,16 @@ def model_width_for(device: torch.device | str, *, images_per_s: float, batch_si
     device = torch.device(device)
     images = torch.randint(0, 256, (batch_size, 3, image_px, image_px), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 10, (batch_size,), device=device)
+    previous: tuple[int, float] | None = None
     for width in sorted(widths):
         model = ModelStep(device, width=width)
         best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=warmup, repeats=repeats))
-        if batch_size / (best_ms / 1e3) <= images_per_s:
+        rate = batch_size / (best_ms / 1e3)
+        if rate <= images_per_s:
+            if closest and previous and math.log(previous[1] / images_per_s) < math.log(images_per_s / rate):
+                return previous[0]
             return width
+        previous = (width, rate)
     return max(widths)
 
 
@@ -249,7 +258,7 @@ def _serve(conn, images: torch.Tensor, labels: torch.Tensor, cores: list[int], i
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         width = model_width_for("cpu", images_per_s=images_per_s, batch_size=len(images),
-                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=2, warmup=1)
+                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=2, warmup=1, closest=True)
         model = ModelStep("cpu", width=width)
         measured_ms = min(time_ms(lambda: model.step(images, labels), warmup=1, repeats=2))
         conn.send(("ready", (width, len(images) / (measured_ms / 1e3))))

@@ -128,3 +128,20 @@ def test_one_core_leaves_none_for_the_accelerator(monkeypatch):
     monkeypatch.setattr(accel, "split_cores", lambda: None)
     with pytest.raises(RuntimeError, match="needs two cores"):
         accel.CoreAccelerator(images_per_s=1, batch_size=4, image_px=8)
+
+
+def test_closest_picks_the_width_nearer_the_target_by_ratio(monkeypatch):
+    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
+    current = {}
+    real_step = accel.ModelStep
+
+    def recording_step(device, *, width):
+        current["width"] = width
+        return real_step(device, width=width)
+
+    monkeypatch.setattr(accel, "ModelStep", recording_step)
+    monkeypatch.setattr(accel, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
+    pick = lambda rate: accel.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
+                                              widths=(8, 16, 32), closest=True)
+    assert pick(36_000) == 16     # 32k is 1.13x below, 64k 1.8x above
+    assert pick(60_000) == 8      # 64k is 1.07x above, 32k 1.9x below
