@@ -179,7 +179,7 @@ def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured(monkeypatch):
 def test_lab1_on_the_cpu_runs_a_real_model_on_its_own_core_sized_to_the_loader(small_dataset, monkeypatch):
     sizes = ladder.LadderSizes(num_images=40, image_px=8, batch_size=8, workers=2, accelerator_images_per_s=1,
                                remote_latency_ms=0, remote_images=1, fast_epochs=1)
-    monkeypatch.setattr(loaders, "stage_costs", lambda paths, image_px: {"resize": 2.0})   # 500 images/s
+    monkeypatch.setattr(loaders, "stage_costs", lambda paths, image_px, repeats: {"resize": 2.0})   # 500 images/s
     monkeypatch.setattr(accel, "split_cores", lambda: ({1}, {0}))
     made = []
     monkeypatch.setattr(accel, "CoreAccelerator", lambda **kw: made.append(kw) or "core")
