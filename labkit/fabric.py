@@ -33,6 +33,7 @@ import atexit
 import functools
 import itertools
 import os
+import subprocess
 import time
 from dataclasses import astuple, dataclass
 from typing import Any
@@ -125,6 +126,8 @@ class Node:
 
 _fabric_ids = itertools.count()
 _open_fabrics: set[Fabric] = set()
+_reapers: dict[str, subprocess.Popen] = {}
+"""Each open fabric's reaper, by prefix: kept outside the fabric, which ranks receive pickled."""
 
 
 class Fabric:
@@ -155,7 +158,7 @@ class Fabric:
         cleanup_stale()
         _open_fabrics.add(self)
         hold_sigterm(self)
-        self._reaper = start_reaper(self.prefix)
+        _reapers[self.prefix] = start_reaper(self.prefix)
         try:
             self._build()
         except BaseException:
@@ -191,11 +194,10 @@ class Fabric:
         self._created.clear()
         _open_fabrics.discard(self)
         release_sigterm(self)
-        reaper = getattr(self, "_reaper", None)
+        reaper = _reapers.pop(self.prefix, None)
         if reaper is not None:
             reaper.terminate()
             reaper.wait()
-            self._reaper = None
         if errors:
             raise NetnsError("could not remove every namespace:\n" + "\n".join(errors))
 

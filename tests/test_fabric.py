@@ -193,3 +193,13 @@ def test_doctor_says_which_links_this_machine_gets(monkeypatch):
     monkeypatch.setattr(fabric, "probe", lambda: fabric.Capability("emulated", "not root"))
     found = {check.name: check for check in doctor.checks()}
     assert not found["links between ranks"].ok and "emulated: not root" in found["links between ranks"].detail
+
+
+def test_an_open_fabric_pickles_for_its_ranks():
+    """Ranks receive the fabric pickled; its reaper (a Popen, with a lock) must not travel with it."""
+    import pickle
+
+    if fabric.probe().mode != "namespaces":
+        pytest.skip(fabric.probe().reason)
+    with fabric.Fabric(Topology(nodes=2, inter_node_bytes_per_s=GBIT)) as fab:
+        assert pickle.loads(pickle.dumps(fab)).prefix == fab.prefix
