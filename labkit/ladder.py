@@ -73,9 +73,9 @@ model ran 20-35% below the rate measured when it was sized (the loader's work on
 the other core shares the memory system), and one width step moves the rate by
 30-60%, so the width nearest the target is taken. Here 3x picked width 8 in 5 scripted
 runs (7 to 9 in 5 `labkit run all` runs): the transformed cache was 2.5-3.1x as busy
-as the raw cache (asserted > 1.4x)
-and one worker hid 0.62-1.32 of the compute (asserted > 0.5). 2.5x picked width 9,
-1.6-1.8x and 0.67-1.05: less margin on the first. Faster is not free either: the
+as the raw cache (asserted > 1.4x) and one worker hid 0.62-1.32 of the compute
+(asserted > 0.5). 2.5x picked width 9: 1.6-1.8x and 0.67-1.05, less margin on the
+first. Faster is not free either: the
 hidden share is a difference of two wall times over the compute time, so it gets
 noisier as the compute shrinks."""
 
