@@ -159,19 +159,13 @@ KERNEL_GRACE_S = 10.0
 
 
 def remove_what_a_killed_kernel_left(kernel_pid: int | None) -> None:
-    """Namespaces and rank log folders of a kernel that was killed before it could remove them.
+    """Rank log folders of a kernel that was killed before it could remove them.
 
-    The kernel normally tears its fabric down and removes its rank logs itself; one
-    that outlived its grace period was killed mid-way. Its namespaces carry its pid
-    (:func:`labkit.netns.cleanup_stale` removes those whose creator is dead), and so
-    do its ranks' log folders, which nobody reads after a stop.
+    They carry the kernel's pid, and nobody reads them after a stop. (Namespaces
+    of a fabric the kernel had open are its reaper's job: :func:`labkit.netns.start_reaper`.)
     """
-    from labkit import launcher, netns
+    from labkit import launcher
 
-    try:
-        netns.cleanup_stale()
-    except (netns.NetnsError, OSError):   # no fabric here, or no right to remove one
-        pass
     if kernel_pid is not None:
         for folder in Path(tempfile.gettempdir()).glob(f"{launcher.LOG_DIR_PREFIX}{kernel_pid}-*"):
             shutil.rmtree(folder, ignore_errors=True)

@@ -23,9 +23,10 @@ def test_stand_in_accelerator_takes_time_but_no_cpu():
         accel.StandInAccelerator(0)
 
 
-def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(monkeypatch):
-    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
-    monkeypatch.setattr(accel, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
+@pytest.fixture()
+def pick_width(monkeypatch):
+    """``model_width_for`` over widths 8, 16, 32 whose steps take 1, 2, 4 ms: 64k, 32k, 16k images/s."""
+    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}
     current = {}
     real_step = accel.ModelStep
 
@@ -34,12 +35,16 @@ def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(monkey
         return real_step(device, width=width)
 
     monkeypatch.setattr(accel, "ModelStep", recording_step)
-    pick = lambda rate: accel.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
-                                                widths=(8, 16, 32))
-    assert pick(100_000) == 8
-    assert pick(40_000) == 16
-    assert pick(20_000) == 32
-    assert pick(1_000) == 32      # none slow enough: the widest
+    monkeypatch.setattr(accel, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
+    return lambda rate, **kw: accel.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
+                                                    widths=(8, 16, 32), **kw)
+
+
+def test_model_width_is_the_narrowest_that_runs_no_faster_than_the_target(pick_width):
+    assert pick_width(100_000) == 8
+    assert pick_width(40_000) == 16
+    assert pick_width(20_000) == 32
+    assert pick_width(1_000) == 32      # none slow enough: the widest
 
 
 def test_model_width_for_times_real_steps_on_the_cpu():
@@ -130,18 +135,6 @@ def test_one_core_leaves_none_for_the_accelerator(monkeypatch):
         accel.CoreAccelerator(images_per_s=1, batch_size=4, image_px=8)
 
 
-def test_closest_picks_the_width_nearer_the_target_by_ratio(monkeypatch):
-    step_ms = {8: 1.0, 16: 2.0, 32: 4.0}   # 64 images: 64k, 32k, 16k images/s
-    current = {}
-    real_step = accel.ModelStep
-
-    def recording_step(device, *, width):
-        current["width"] = width
-        return real_step(device, width=width)
-
-    monkeypatch.setattr(accel, "ModelStep", recording_step)
-    monkeypatch.setattr(accel, "time_ms", lambda fn, **kw: [step_ms[current["width"]]])
-    pick = lambda rate: accel.model_width_for("cpu", images_per_s=rate, batch_size=64, image_px=8,
-                                              widths=(8, 16, 32), closest=True)
-    assert pick(36_000) == 16     # 32k is 1.13x below, 64k 1.8x above
-    assert pick(60_000) == 8      # 64k is 1.07x above, 32k 1.9x below
+def test_closest_picks_the_width_nearer_the_target_by_ratio(pick_width):
+    assert pick_width(36_000, closest=True) == 16     # 32k is 1.13x below, 64k 1.8x above
+    assert pick_width(60_000, closest=True) == 8      # 64k is 1.07x above, 32k 1.9x below
