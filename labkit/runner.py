@@ -20,6 +20,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -147,8 +148,11 @@ def _execute_stoppably(client: _ProgressClient) -> str:
             worker.join(0.2)
     except BaseException:
         kernel_pid = client.kernel_pid()
+        _say(f"stopping: kernel {kernel_pid} gets {KERNEL_GRACE_S:g} s to unwind, then SIGKILL")
         kill_group(kernel_pid, grace_s=KERNEL_GRACE_S)
-        worker.join(30)
+        worker.join(NBCLIENT_GRACE_S)
+        _say("stopping: kernel gone" + ("" if not worker.is_alive() else
+                                        f"; nbclient still waiting after {NBCLIENT_GRACE_S:g} s, left behind"))
         remove_what_a_killed_kernel_left(kernel_pid)
         raise
     return outcome[0]
@@ -156,6 +160,12 @@ def _execute_stoppably(client: _ProgressClient) -> str:
 
 KERNEL_GRACE_S = 10.0
 """How long a stopped kernel gets to unwind after SIGTERM (a fabric tears down its namespaces then)."""
+NBCLIENT_GRACE_S = 5.0
+"""How long nbclient's thread gets to notice its kernel died (it polls every second); it is a daemon after that."""
+
+
+def _say(line: str) -> None:
+    tqdm.write(f"labkit run: {line}", file=sys.stderr)
 
 
 def remove_what_a_killed_kernel_left(kernel_pid: int | None) -> None:

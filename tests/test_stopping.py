@@ -42,7 +42,31 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 def _env(tag: str) -> dict[str, str]:
-    return {**os.environ, "LABKIT_TEST_TAG": tag, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+    # PYTHONFAULTHANDLER: a run that will not stop prints every thread's stack on SIGABRT (see _stopped).
+    return {**os.environ, "LABKIT_TEST_TAG": tag, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg",
+            "PYTHONFAULTHANDLER": "1"}
+
+
+def _start(code: str, tmp_path: Path, tag: str) -> subprocess.Popen:
+    """``python -c code``, its output in a file: a pipe nobody reads blocks the writer once it is full."""
+    log = (tmp_path / "run.log").open("w")
+    return subprocess.Popen([sys.executable, "-c", code], env=_env(tag), cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _stopped(run: subprocess.Popen, tmp_path: Path, timeout_s: float = 30) -> int:
+    """Wait for ``run`` to exit; if it does not, fail showing its output and the stacks it was stuck in."""
+    try:
+        return run.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGABRT)
+        run.wait(timeout=10)
+        raise AssertionError(f"the run did not exit {timeout_s:g} s after the signal; its output:\n"
+                             + (tmp_path / "run.log").read_text()[-6000:]) from None
+
+
+def _output(tmp_path: Path) -> str:
+    return (tmp_path / "run.log").read_text()
 
 
 def _one_cell_course(tmp_path: Path, cell: str) -> str:
@@ -67,22 +91,21 @@ def hanging_lab(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_stopping_labkit_run_mid_lab_leaves_no_process(hanging_lab, sig):
+def test_stopping_labkit_run_mid_lab_leaves_no_process(hanging_lab, sig, tmp_path):
     runner, pid_dir = hanging_lab
     tag = uuid.uuid4().hex
-    run = subprocess.Popen([sys.executable, "-c", runner], env=_env(tag), cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = _start(runner, tmp_path, tag)
     try:
         _wait_for(lambda: len(list(pid_dir.glob("*.pid"))) == 2, 120, "both ranks to start")
         run.send_signal(sig)
-        code = run.wait(timeout=30)
+        code = _stopped(run, tmp_path)
         _wait_for(lambda: not _tagged(tag), 15, f"every tagged process to end (left: {_tagged(tag)})")
     finally:
         run.kill()
         for pid in _tagged(tag):
             os.kill(pid, signal.SIGKILL)
     if sig != signal.SIGKILL:
-        assert code == 128 + sig, run.stdout.read()
+        assert code == 128 + sig, _output(tmp_path)
 
 
 @pytest.mark.slow
@@ -121,14 +144,13 @@ def test_stopping_labkit_run_while_a_fabric_is_open_leaves_no_namespace(tmp_path
         pytest.skip(fabric.probe().reason)
     ready = tmp_path / "fabric.prefix"
     tag = uuid.uuid4().hex
-    run = subprocess.Popen([sys.executable, "-c", _one_cell_course(tmp_path, OPEN_A_FABRIC_AND_WAIT.format(
-        ready=str(ready)))], env=_env(tag), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = _start(_one_cell_course(tmp_path, OPEN_A_FABRIC_AND_WAIT.format(ready=str(ready))), tmp_path, tag)
     try:
         _wait_for(ready.exists, 120, "the fabric to come up")
         prefix = ready.read_text()
         assert list(netns.NETNS_DIR.glob(f"{prefix}-*")), "the fabric made its namespaces"
         run.send_signal(sig)
-        run.wait(timeout=30)
+        _stopped(run, tmp_path)
         _wait_for(lambda: not list(netns.NETNS_DIR.glob(f"{prefix}-*")), 15, f"the {prefix}-* namespaces to go")
         _wait_for(lambda: not _tagged(tag), 15, f"every tagged process to end (left: {_tagged(tag)})")
     finally:
