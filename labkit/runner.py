@@ -14,6 +14,7 @@ kernel and then go on to the next lab.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import html
 import os
@@ -154,8 +155,23 @@ def _execute_stoppably(client: _ProgressClient) -> str:
         _say("stopping: kernel gone" + ("" if not worker.is_alive() else
                                         f"; nbclient still waiting after {NBCLIENT_GRACE_S:g} s, left behind"))
         remove_what_a_killed_kernel_left(kernel_pid)
+        _forget_kernel(client)
         raise
     return outcome[0]
+
+
+def _forget_kernel(client: _ProgressClient) -> None:
+    """Remove a killed kernel's connection file, and nbclient's exit hook for it.
+
+    nbclient unregisters that hook only when its cleanup completes. After a stop
+    it may not have, and the hook then runs at interpreter exit, where destroying
+    the kernel's zmq context can block forever on sockets the abandoned thread
+    still holds (seen in the test suite: ``labkit run`` never exited after
+    SIGTERM). The kernel is dead; its connection file is all that is left.
+    """
+    atexit.unregister(client._cleanup_kernel)
+    if client.km is not None:
+        client.km.cleanup_connection_file()
 
 
 KERNEL_GRACE_S = 10.0

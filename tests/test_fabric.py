@@ -147,16 +147,18 @@ def test_cleanup_stale_removes_what_a_killed_process_left_and_keeps_live_ones():
 
 @needs_namespaces
 def test_a_two_node_all_reduce_takes_the_time_the_link_allows_and_moves_the_ring_bytes():
-    """8 MiB fp32 all-reduce between 2 nodes at 1 Gbit/s: the ring sends 8 MiB each way per call.
+    """16 MiB fp32 all-reduce between 2 nodes at 1 Gbit/s: the ring sends 16 MiB each way per call.
 
-    Band for the time: at least 0.9 x prediction (a shaper's 1 ms bucket is 1.5% of
+    Band for the time: at least 0.9 x prediction (a shaper's 1 ms bucket is 0.7% of
     this transfer; an unshaped loopback would take ~0.15x), at most 1.5x (gloo's
-    reduction and copies, ~10 ms per 8 MiB here, and a shared 2-core box).
+    reduction and copies, and a shared 2-core box). Best of 5 calls: 12 runs here
+    measured 1.00-1.07x, 8 more beside a busy core 1.00-1.08x. With 8 MiB and best
+    of 3 they spread to 0.99-1.29x, and one full-suite run read 1.53x.
     Bytes: the interface counters, headers subtracted, within 1% of the ring model
     (gloo's own small messages); the wire adds Ethernet, IP and TCP headers: 66
     bytes per 1448-byte segment is 4.6%, plus ACKs (``fabric.WIRE_PER_PAYLOAD_BAND``).
     """
-    message_bytes, repeats = 8 * 2**20, 3
+    message_bytes, repeats = 16 * 2**20, 5
     two_nodes = Topology(nodes=2, inter_node_bytes_per_s=GBIT)
     with fabric.Fabric(two_nodes) as fab:
         before = fab.link_bytes()
