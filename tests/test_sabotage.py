@@ -77,7 +77,8 @@ TRIM_LAB8_ASSUMED_LINKS = """
 TRIM_LAB6_BYTES_ONLY = """
     from labkit import profile, zeropp_fabric
     _sizes = zeropp_fabric.SIZES[profile().name]
-    _sizes.update(rates_gbit=(max(_sizes["rates_gbit"]),), timed_steps=1, train_steps=1)
+    _sizes.update(rates_gbit=(max(_sizes["rates_gbit"]),), micro_batches=_sizes["micro_batches"][:1], timed_steps=1,
+                  train_steps=1)
 """
 
 
