@@ -44,6 +44,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from labkit.launcher import rank_device
+
 
 @dataclass(frozen=True)
 class Link:
@@ -379,12 +381,6 @@ SIZES = {
 BENCHMARK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _device() -> torch.device:
-    from labkit.launcher import rank_info
-
-    return torch.device(rank_info().device)
-
-
 def _run_op(op: str, message_bytes: int, world_size: int, device: torch.device) -> Callable[[], None]:
     numel = max(message_bytes // 4 // world_size, 1) * world_size
     full = torch.ones(numel, device=device)
@@ -426,7 +422,7 @@ def benchmark_rank(
     sizes = profile().pick(SIZES)
     message_bytes = list(message_bytes or sizes["message_bytes"])
     repeats = repeats or sizes["repeats"]
-    device = _device()
+    device = rank_device()
     world_size = dist.get_world_size()
     rows = []
     for op in ops:
@@ -488,7 +484,7 @@ def count_collectives_rank(
     if numel_per_rank < 1:
         raise ValueError(f"numel_per_rank must be >= 1, got {numel_per_rank}")
     world_size = dist.get_world_size()
-    device = _device()
+    device = rank_device()
     shard = torch.ones(numel_per_rank, device=device)
     full = torch.ones(numel_per_rank * world_size, device=device)
     calls = {

@@ -201,3 +201,29 @@ def host_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class PeakRss:
+    """Peak resident memory this process added during a ``with`` block, in bytes (``added_bytes``).
+
+    Read from the kernel's own high-water mark (``VmHWM``, reset by writing 5 to
+    ``/proc/self/clear_refs``): exact, no sampling thread that could miss a spike.
+    Linux only; the host-side counterpart of ``torch.cuda.max_memory_allocated``.
+    """
+
+    def __enter__(self) -> PeakRss:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        self.start_bytes = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.added_bytes = max(0, _status_bytes("VmHWM") - self.start_bytes)
+
+
+def _status_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field_name} not in /proc/self/status")

@@ -22,10 +22,11 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from labkit.devices import PeakRss
 
 SIZES = {
     "ci": {"tokens": 512, "hidden": 64, "vocab": 32768, "chunk_rows": 64},
@@ -140,13 +141,6 @@ def loss_and_grads(kind: str, h, w, t, chunk_rows: int = 256):
     return loss.detach(), h.grad, w.grad
 
 
-def _vm_bytes(name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{name} not in /proc/self/status")
-
-
 def _peak_bytes_here(kind: str, sizes: dict, device: str) -> int:
     """Peak memory one forward+backward adds, in this process, after a warm-up."""
     h, w, t = make_inputs(sizes["tokens"], sizes["hidden"], sizes["vocab"], device=device)
@@ -159,11 +153,9 @@ def _peak_bytes_here(kind: str, sizes: dict, device: str) -> int:
         loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    before = _vm_bytes("VmRSS")
-    loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
-    return _vm_bytes("VmHWM") - before
+    with PeakRss() as peak:
+        loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
+    return peak.added_bytes
 
 
 @dataclass(frozen=True)

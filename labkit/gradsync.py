@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.collectives import CommCounter, Link, register_counting_hook, ring_bytes_per_rank
+from labkit.models import mlp
 from labkit.topology import Topology, gbit_to_bytes_per_s, predicted_s
 
 SIZES = {
@@ -70,14 +71,10 @@ def check_accumulation(accumulation: int) -> None:
 
 
 def make_model(hidden: int, layers: int, seed: int = 0) -> nn.Sequential:
-    """A stack of Linear+ReLU blocks: parameters (hence gradient bytes) scale as layers x hidden^2."""
+    """``layers`` Linear layers of ``hidden`` x ``hidden``: parameters (so gradient bytes) grow as layers x hidden^2."""
     if hidden < 1 or layers < 1:
         raise ValueError(f"hidden and layers must be >= 1, got {hidden}, {layers}")
-    torch.manual_seed(seed)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
-    return nn.Sequential(*blocks[:-1])
+    return mlp([hidden] * (layers + 1), seed=seed)
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -286,11 +283,11 @@ def train_rank(
     first trains alone (no communication) on the same accumulation window while
     the others wait, giving the single-device time to compare against.
     """
-    from labkit.launcher import rank_info
+    from labkit.launcher import rank_device, rank_info
 
     info = rank_info()
     started = time.perf_counter()
-    device = torch.device(info.device)
+    device = rank_device()
     rank, world_size = info.rank, info.world_size
     check_accumulation(accumulation)
     result: dict[str, Any] = {"rank": rank, "world_size": world_size}

@@ -78,6 +78,13 @@ def rank_info() -> RankInfo:
     )
 
 
+def rank_device():
+    """This rank's ``torch.device``: its GPU under NCCL, else the CPU (every rank-side module asks this)."""
+    import torch
+
+    return torch.device(rank_info().device)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

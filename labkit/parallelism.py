@@ -113,9 +113,9 @@ def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> dic
     Every rank builds the same full layers (same seeds), keeps its shard, and
     compares output and input gradient with the unsplit computation.
     """
-    from labkit.launcher import rank_info
+    from labkit.launcher import rank_device
 
-    device = torch.device(rank_info().device)
+    device = rank_device()
     fulls = [full_mlp(hidden, ffn, seed=layer).to(device) for layer in range(layers)]
     shards = [TensorParallelMLP(full).to(device) for full in fulls]
     torch.manual_seed(1234)

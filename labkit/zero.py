@@ -17,7 +17,7 @@ DeepSpeed pads its flat buffers to split evenly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterator
 
 STAGES = (0, 1, 2, 3)

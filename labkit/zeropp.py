@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.collectives import LINKS, CommCounter, Link
-from labkit.launcher import rank_info
+from labkit.launcher import rank_device
 from labkit.quantcomm import (
     NodeLayout,
     all_gather_plain,
@@ -163,7 +163,7 @@ class ZeroRank:
     ):
         self.variant, self.dims, self.layout, self.node_group = variant, dims, layout, node_group
         self.comm_dtype = comm_dtype
-        self.device = torch.device(rank_info().device)
+        self.device = rank_device()
         self.weight_bits, self.grad_bits, self.block_size = weight_bits, grad_bits, block_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.numel = padded_params(dims, world_size=self.world, block_size=block_size)
@@ -224,12 +224,8 @@ class ZeroRank:
         return loss.item()
 
 
-def _device() -> torch.device:
-    return torch.device(rank_info().device)
-
-
 def _mean_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=_device())
+    tensor = torch.tensor([value], dtype=torch.float64, device=rank_device())
     dist.all_reduce(tensor)
     return tensor.item() / dist.get_world_size()
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit.launcher import rank_info
+from labkit.launcher import rank_device, rank_info
 from labkit.quantcomm import NodeLayout
-from labkit.zeropp import NodeAwareCounter, _device, _mean_over_ranks, batch, flat_numel, init_flat
+from labkit.zeropp import NodeAwareCounter, _mean_over_ranks, batch, flat_numel, init_flat
 from labkit.zeropp_fabric import FabricLinks, busiest, return_freed_memory_to_the_os
 
 SIZES = {
@@ -51,7 +51,7 @@ def _engine(dims: tuple[int, ...], extra: dict[str, Any], batch_size: int, seed:
     config = {
         "train_micro_batch_size_per_gpu": batch_size,
         # bf16 on GPUs; on CPU ranks DeepSpeed's hpZ moved nothing into the node in bf16 (measured), so fp32.
-        "bf16": {"enabled": _device().type == "cuda"},
+        "bf16": {"enabled": rank_device().type == "cuda"},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 2**20, "stage3_prefetch_bucket_size": 2**20,
                               "stage3_param_persistence_threshold": 0,
@@ -85,7 +85,7 @@ def deepspeed_rank(
     out: dict[str, Any] = {}
     with NodeAwareCounter(layout) as counter:
         deepspeed.init_distributed(dist_backend=rank_info().backend)
-        teacher = init_flat(dims, flat_numel(dims), seed + 1000).to(_device())
+        teacher = init_flat(dims, flat_numel(dims), seed + 1000).to(rank_device())
         for label, extra in configs.items():
             engine = _engine(dims, extra, batch_size, seed)
             losses: list[float] = []
@@ -94,7 +94,7 @@ def deepspeed_rank(
                 for _ in range(n):
                     x, y = batch(dims, teacher, batch_size, seed=len(losses) * 1000 + dist.get_rank())
                     # DeepSpeed does not cast inputs to the engine's bf16 weights.
-                    x = x.to(torch.bfloat16) if _device().type == "cuda" else x
+                    x = x.to(torch.bfloat16) if rank_device().type == "cuda" else x
                     loss = F.mse_loss(engine(x).float(), y)
                     engine.backward(loss)
                     engine.step()

@@ -206,3 +206,37 @@ def test_without_a_gpu_the_memory_is_a_stated_80_gib_reference(monkeypatch):
     total, note = devices.accelerator_memory_bytes()
     assert total == 80 * 2**30
     assert note.startswith("no GPU here") and "80 GiB" in note
+
+
+def test_the_shared_mlp_has_the_widths_asked_for_and_refuses_impossible_ones():
+    from labkit import models
+
+    model = models.mlp([8, 16, 4], seed=0)
+    assert [layer.out_features for layer in model if isinstance(layer, torch.nn.Linear)] == [16, 4]
+    assert sum(p.numel() for p in model.parameters()) == models.parameter_count([8, 16, 4])
+    assert torch.equal(model[0].weight, models.mlp([8, 16, 4], seed=0)[0].weight), "a seed fixes the weights"
+    with pytest.raises(ValueError, match="widths must be two or more sizes >= 1"):
+        models.mlp([8])
+    with pytest.raises(ValueError, match="widths must be two or more sizes >= 1"):
+        models.mlp([8, 0, 4])
+
+
+def test_peak_rss_sees_memory_touched_and_released_inside_the_block():
+    import numpy as np
+
+    from labkit.devices import PeakRss
+
+    with PeakRss() as peak:
+        touched = np.ones(64 * 2**20 // 8)  # 64 MiB, every page written
+        del touched
+    assert peak.added_bytes >= 60 * 2**20, "the high-water mark keeps a peak that is already gone"
+
+
+def test_a_rank_runs_on_its_gpu_under_nccl_and_on_the_cpu_under_gloo(monkeypatch):
+    from labkit.launcher import rank_device
+
+    monkeypatch.setenv("LABKIT_BACKEND", "nccl")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LABKIT_BACKEND", "gloo")
+    assert rank_device() == torch.device("cpu")

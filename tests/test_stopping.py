@@ -3,7 +3,6 @@
 Every process a run starts inherits a tag in its environment; after the stop, no live process carries it.
 """
 
-import json
 import os
 import signal
 import subprocess
