@@ -23,14 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import fabric, placement, placement_probe, profile, recovery
+from labkit import fabric, placement, placement_probe, profile, recovery, recovery_rank
 from labkit.devices import describe_machine, load_average
 
 
 def recovery_from_kills(work: Path, kills: int, warm_standby: bool, steps_between_kills: int) -> list[dict]:
     """Kills spaced so that a warm standby process has time to boot between them."""
     size = {**profile().pick(recovery.SIZES), "steps": (kills + 1) * steps_between_kills}
-    plan = [recovery.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
+    plan = [recovery_rank.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
     report = recovery.supervise(work / f"kills-warm-{warm_standby}", world_size=2, spares=kills, faults=plan,
                                 warm_standby=warm_standby, **size)
     rows = report.detection_table()
@@ -76,11 +76,11 @@ def torchrun_restart(work: Path) -> dict:
     start = time.time()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "-m", "labkit.recovery", "--kwargs", json.dumps(kwargs)],
+         "--max-restarts", "1", "-m", "labkit.recovery_rank", "--kwargs", json.dumps(kwargs)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    same = done.returncode == 0 and recovery.bit_identical(
-        recovery.final_weights(work / "reference"), recovery.final_weights(work / "torchrun"))
+    same = done.returncode == 0 and recovery_rank.bit_identical(
+        recovery_rank.final_weights(work / "reference"), recovery_rank.final_weights(work / "torchrun"))
     return {"returncode": done.returncode, "wall_s": time.time() - start,
             "attempts": len(list((work / "torchrun").glob("attempt-*"))), "bit_identical": same,
             "stderr_tail": "" if done.returncode == 0 else done.stderr[-2000:]}

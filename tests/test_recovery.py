@@ -13,8 +13,9 @@ import psutil
 import pytest
 import torch
 
-from labkit import checkpoint, triage
+from labkit import checkpoint, heartbeat, interval, recovery_report, savers, triage
 from labkit import recovery as rc
+from labkit import recovery_rank as rr
 from labkit.interval import young_daly_interval_s
 
 TINY = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
@@ -22,7 +23,7 @@ TINY = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch
 
 def test_fault_plan_naming_a_rank_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\], got 2"):
-        rc.supervise(tmp_path / "run", world_size=2, faults=[rc.Fault("kill", 2, 3)], **TINY)
+        rc.supervise(tmp_path / "run", world_size=2, faults=[rr.Fault("kill", 2, 3)], **TINY)
     assert not (tmp_path / "run").exists(), "refused before anything started"
 
 
@@ -34,30 +35,30 @@ def test_a_backend_other_than_gloo_or_nccl_is_refused_before_anything_starts(tmp
 
 def test_fault_plan_naming_a_step_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"step must be in \[0, 11\], got 12"):
-        rc.supervise(tmp_path / "run", world_size=2, faults=[rc.Fault("hang", 0, 12)], **TINY)
+        rc.supervise(tmp_path / "run", world_size=2, faults=[rr.Fault("hang", 0, 12)], **TINY)
     with pytest.raises(ValueError, match="fault kind must be one of"):
-        rc.validate_faults([rc.Fault("meteor", 0, 1)], world_size=2, steps=10)
+        rr.validate_faults([rr.Fault("meteor", 0, 1)], world_size=2, steps=10)
     with pytest.raises(ValueError, match="two faults at step 3"):
-        rc.validate_faults([rc.Fault("kill", 0, 3), rc.Fault("nan", 1, 3)], world_size=2, steps=10)
+        rr.validate_faults([rr.Fault("kill", 0, 3), rr.Fault("nan", 1, 3)], world_size=2, steps=10)
 
 
 def test_random_fault_plan_is_deterministic_and_in_range():
-    plan = rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=80, seed=8)
-    assert plan == rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=80, seed=8)
-    assert sorted(f.kind for f in plan) == sorted(rc.FAULT_KINDS)
+    plan = rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert plan == rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert sorted(f.kind for f in plan) == sorted(rr.FAULT_KINDS)
     steps = [f.step for f in plan]
     assert all(0 <= f.rank < 2 for f in plan) and steps == sorted(steps)
     assert min(b - a for a, b in zip(steps, steps[1:])) >= 8
     with pytest.raises(ValueError, match="steps must be >= 40"):
-        rc.random_fault_plan(rc.FAULT_KINDS, world_size=2, steps=20, seed=0)
+        rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=20, seed=0)
 
 
 def test_restart_count_prefers_torchelastic(monkeypatch):
-    monkeypatch.setenv(rc.RESTART_VAR, "2")
-    monkeypatch.delenv(rc.TORCHELASTIC_RESTART_VAR, raising=False)
-    assert rc.restart_count() == 2
-    monkeypatch.setenv(rc.TORCHELASTIC_RESTART_VAR, "5")
-    assert rc.restart_count() == 5
+    monkeypatch.setenv(rr.RESTART_VAR, "2")
+    monkeypatch.delenv(rr.TORCHELASTIC_RESTART_VAR, raising=False)
+    assert rr.restart_count() == 2
+    monkeypatch.setenv(rr.TORCHELASTIC_RESTART_VAR, "5")
+    assert rr.restart_count() == 5
 
 
 def _step(rank: int, step: int, compute_s: float) -> dict:
@@ -65,7 +66,7 @@ def _step(rank: int, step: int, compute_s: float) -> dict:
 
 
 def test_straggler_is_the_rank_whose_own_compute_is_the_outlier():
-    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
     for step in range(10):
         watch.feed(0, _step(0, step, 0.05))
         watch.feed(1, _step(1, step, 0.05 if step < 6 else 0.45))
@@ -73,15 +74,23 @@ def test_straggler_is_the_rank_whose_own_compute_is_the_outlier():
 
 
 def test_one_slow_step_is_noise_not_a_straggler():
-    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
     for step in range(10):
         watch.feed(0, _step(0, step, 0.05))
         watch.feed(1, _step(1, step, 0.9 if step in (3, 6) else 0.05))
     assert watch.straggler is None
 
 
+@pytest.mark.parametrize("field, value, says", [("factor", 1.0, "factor must be > 1"),
+                                                ("min_excess_s", -0.1, "min_excess_s must be >= 0"),
+                                                ("patience", 0, "patience must be >= 1")])
+def test_a_straggler_rule_that_could_never_or_always_fire_is_refused(field, value, says):
+    with pytest.raises(ValueError, match=says):
+        heartbeat.StragglerRule(**{field: value})
+
+
 def test_goodput_falls_on_both_sides_of_the_young_daly_interval():
-    sweep = rc.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400, seed=1)
+    sweep = interval.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400, seed=1)
     simulated = [row["simulated_goodput"] for row in sweep]
     best = simulated.index(max(simulated))
     assert sweep[best]["factor"] == 1
@@ -93,7 +102,7 @@ def test_goodput_falls_on_both_sides_of_the_young_daly_interval():
 
 def test_simulated_goodput_matches_the_first_order_model_near_the_optimum():
     interval_s = young_daly_interval_s(2.0, 3 * 3600)
-    row = rc.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400,
+    row = interval.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400,
                             factors=(1,), seed=2)[0]
     assert row["interval_s"] == pytest.approx(interval_s)
     assert row["simulated_goodput"] == pytest.approx(row["model_goodput"], abs=0.002)
@@ -111,7 +120,7 @@ def _alive(pids) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory) -> rc.RunReport:
+def clean_run(tmp_path_factory) -> recovery_report.RunReport:
     return rc.supervise(tmp_path_factory.mktemp("lab08") / "clean", world_size=2, spares=0, **TINY)
 
 
@@ -119,7 +128,7 @@ def clean_run(tmp_path_factory) -> rc.RunReport:
 def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_run):
     """Cold start for the reference, warm standby processes for the relaunch: both paths run."""
     clean = clean_run
-    faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[rc.Fault("kill", 1, 5)],
+    faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[rr.Fault("kill", 1, 5)],
                            warm_standby=True, **TINY)
     assert not clean.detections and len(clean.attempts) == 1
     assert faulted.injected == faulted.recovered == ["kill-rank1-step5"]
@@ -127,8 +136,8 @@ def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_
     assert (detection.cause, detection.rank, detection.node) == ("exit", 1, "node1")
     assert faulted.attempts[1].nodes == ("node0", "node2") and faulted.cordoned == ["node1"]
     assert faulted.attempts[1].restored_step == 4
-    assert rc.bit_identical(rc.final_weights(clean.run_dir), rc.final_weights(tmp_path / "faulted"))
-    breakdown = rc.goodput(faulted)
+    assert rr.bit_identical(rr.final_weights(clean.run_dir), rr.final_weights(tmp_path / "faulted"))
+    breakdown = recovery_report.breakdown(faulted)
     assert breakdown.useful_steps == 12 and breakdown.redone_steps == 1
     assert 0 < breakdown.goodput < 1 and breakdown.restart_s > 0
     every_pid = [pid for report in (clean, faulted) for attempt in report.attempts for pid in attempt.pids]
@@ -138,7 +147,7 @@ def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_
 @pytest.mark.slow
 def test_hang_without_a_spare_fails_loudly_and_leaves_no_process(tmp_path):
     with pytest.raises(rc.RecoveryError, match="no healthy spare is left") as info:
-        rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[rc.Fault("hang", 0, 6)],
+        rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[rr.Fault("hang", 0, 6)],
                      heartbeat_timeout_s=2.0, **TINY)
     assert "hang" in str(info.value) and "node0" in str(info.value)
     pids = []
@@ -159,13 +168,13 @@ def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
     kwargs = {**TINY, "run_dir": str(tmp_path / "run"), "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "-m", "labkit.recovery", "--kwargs", json.dumps(kwargs)],
+         "--max-restarts", "1", "-m", "labkit.recovery_rank", "--kwargs", json.dumps(kwargs)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "run").glob("attempt-*")) == ["attempt-000", "attempt-001"]
     assert '"attempt": 1, "restored_step": 4' in done.stdout
-    assert rc.bit_identical(rc.final_weights(clean_run.run_dir), rc.final_weights(tmp_path / "run"))
+    assert rr.bit_identical(rr.final_weights(clean_run.run_dir), rr.final_weights(tmp_path / "run"))
 
 
 @pytest.mark.slow
@@ -173,7 +182,7 @@ def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
     run = tmp_path / "run"
     script = (
         "from labkit import recovery as rc\n"
-        f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rc.Fault('hang', 0, 6)], "
+        f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rr.Fault('hang', 0, 6)], "
         f"heartbeat_timeout_s=600, **{TINY!r})\n"
     )
     supervisor = subprocess.Popen([sys.executable, "-c", script])
@@ -199,8 +208,8 @@ def one_rank_group(tmp_path, monkeypatch):
     """train_rank in this process, as a world of one gloo rank."""
     import torch.distributed as dist
 
-    monkeypatch.delenv(rc.RESTART_VAR, raising=False)
-    monkeypatch.delenv(rc.TORCHELASTIC_RESTART_VAR, raising=False)
+    monkeypatch.delenv(rr.RESTART_VAR, raising=False)
+    monkeypatch.delenv(rr.TORCHELASTIC_RESTART_VAR, raising=False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         yield
@@ -211,16 +220,16 @@ def one_rank_group(tmp_path, monkeypatch):
 def test_a_rank_whose_checkpoint_does_not_load_fails_loudly_instead_of_starting_over(tmp_path, one_rank_group,
                                                                                     monkeypatch):
     """A numpy scalar once made Lab 8's checkpoints unloadable and its rank quietly restarted from step 0."""
-    model = rc.make_model(TINY["features"], TINY["hidden"])
+    model = rr.make_model(TINY["features"], TINY["hidden"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = checkpoint.capture_training_state(model, optimizer, loader_position=4)
     state["extra"] = {"epoch": np.int64(1)}
     monkeypatch.setattr(checkpoint, "check_loadable", lambda *args, **kwargs: None, raising=False)
-    with checkpoint.SyncSaver(tmp_path / "run" / "checkpoints") as saver:
+    with savers.SyncSaver(tmp_path / "run" / "checkpoints") as saver:
         saver.save(4, state)
     monkeypatch.undo()
     with pytest.raises(checkpoint.CheckpointError, match="step-000000004: state.pt does not load"):
-        rc.train_rank(str(tmp_path / "run"), **TINY)
+        rr.train_rank(str(tmp_path / "run"), **TINY)
 
 
 def _raise_inside_torch_distributed(exc: BaseException) -> BaseException:
@@ -268,23 +277,23 @@ def test_a_failure_repeated_before_a_first_step_on_a_fresh_node_stops_the_run():
         "exit", 0, {"origin": triage.PROGRAM, "error_type": "TypeError", "message": "typo"}, completed_a_step=True)
 
 
-def _ready(watch: rc._Watch, ranks, t: float) -> None:
+def _ready(watch: heartbeat.HeartbeatWatch, ranks, t: float) -> None:
     for rank in ranks:
         watch.feed(rank, {"event": "ready", "t": t, "restored_step": 0})
 
 
 def test_silence_before_the_first_step_is_a_hang_once_every_rank_is_ready():
-    watch = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
     now = time.time()
     _ready(watch, [0], now - 10)
-    assert rc._silence_verdict(watch, 2, now, 10.0, 2.0, 60.0) is None, "rank 1 is still starting up"
+    assert heartbeat.silence_verdict(watch, 2, now, 10.0, 2.0, 60.0) is None, "rank 1 is still starting up"
     _ready(watch, [1], now - 9)
     watch.feed(1, {"event": "computed", "t": now - 8, "step": 0})
-    rank, detail = rc._silence_verdict(watch, 2, now, 10.0, 2.0, 60.0)
+    rank, detail = heartbeat.silence_verdict(watch, 2, now, 10.0, 2.0, 60.0)
     assert rank == 0 and "before its first step" in detail
-    late = rc._Watch(straggler_factor=3.0, straggler_min_excess_s=0.15, straggler_patience=3)
+    late = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
     _ready(late, [1], now)
-    assert rc._silence_verdict(late, 2, now, 61.0, 2.0, 60.0) == (
+    assert heartbeat.silence_verdict(late, 2, now, 61.0, 2.0, 60.0) == (
         0, "rank 0 was not ready within startup_timeout_s=60s")
 
 
@@ -299,11 +308,11 @@ def test_a_typo_in_train_kwargs_stops_at_once_with_the_traceback_and_burns_no_sp
 
 @pytest.mark.slow
 def test_a_hang_at_the_first_step_is_recovered_like_any_other_hang(tmp_path, clean_run):
-    report = rc.supervise(tmp_path / "run", world_size=2, spares=1, faults=[rc.Fault("hang", 0, 0)],
+    report = rc.supervise(tmp_path / "run", world_size=2, spares=1, faults=[rr.Fault("hang", 0, 0)],
                           heartbeat_timeout_s=2.0, startup_timeout_s=40.0, **TINY)
     assert report.injected == report.recovered == ["hang-rank0-step0"]
     assert report.detections[0].cause == "hang" and report.attempts[1].restored_step == 0
-    assert rc.bit_identical(rc.final_weights(clean_run.run_dir), rc.final_weights(tmp_path / "run"))
+    assert rr.bit_identical(rr.final_weights(clean_run.run_dir), rr.final_weights(tmp_path / "run"))
     assert report.leftover_pids == []
 
 

@@ -1,0 +1,363 @@
+"""One rank of Lab 8's training job: it trains, checkpoints, logs a heartbeat, and fails on purpose.
+
+The job is real ``torch.distributed`` ranks (gloo on the CPU, nccl on GPUs)
+training a small MLP with an explicit gradient all-reduce and checkpointing with
+Lab 7's savers. Each rank writes one JSON heartbeat record per phase of every
+step, which is all the supervisor (:mod:`labkit.recovery`) knows of it, and
+injects the faults it is told to -- really: SIGKILL of its own process, a sleep
+that never ends, a slow node, a NaN loss.
+
+The supervisor starts each rank as ``python -m labkit.recovery_rank`` with the
+variables torchrun sets, so the same entry point runs under torchrun's own
+restart loop on a real cluster (``run_dir`` on a shared file system)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29400 -m labkit.recovery_rank \\
+        --kwargs '{"run_dir": "/shared/run1", "steps": 1000}'
+
+torchrun restarts every worker after any exit and sets TORCHELASTIC_RESTART_COUNT,
+which the rank reads; it does not cordon nodes or watch heartbeats and
+stragglers -- that is what the supervisor adds (a hung collective there ends
+at the process-group timeout, ``LABKIT_TIMEOUT_S``). The entry point keys its
+rendezvous by restart count: with torch 2.13 a restarted gloo group otherwise
+read the previous attempt's peer addresses from torchrun's store and failed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from labkit import triage
+
+FAULT_KINDS = ("kill", "hang", "straggle", "nan")
+
+CAUSE_OF_FAULT = {"kill": "exit", "hang": "hang", "straggle": "straggler", "nan": "nonfinite"}
+
+RUN_ID_VAR = "LABKIT_RUN_ID"
+
+RESTART_VAR = "LABKIT_RESTART_COUNT"
+
+TORCHELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject: ``kind`` on ``rank`` when it is about to run ``step``."""
+
+    kind: str
+    rank: int
+    step: int
+
+    @property
+    def fault_id(self) -> str:
+        return f"{self.kind}-rank{self.rank}-step{self.step}"
+
+
+def validate_faults(faults: Sequence[Fault], *, world_size: int, steps: int) -> list[Fault]:
+    """Reject plans that could never fire, before any rank starts."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    seen_steps: set[int] = set()
+    checked = []
+    for fault in faults:
+        if fault.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {fault.kind!r}")
+        if not 0 <= fault.rank < world_size:
+            raise ValueError(f"fault {fault.fault_id}: rank must be in [0, {world_size - 1}], got {fault.rank}")
+        if not 0 <= fault.step < steps:
+            raise ValueError(f"fault {fault.fault_id}: step must be in [0, {steps - 1}], got {fault.step}")
+        if fault.step in seen_steps:
+            raise ValueError(f"fault {fault.fault_id}: two faults at step {fault.step}; give each fault its own step")
+        seen_steps.add(fault.step)
+        checked.append(fault)
+    return sorted(checked, key=lambda f: f.step)
+
+
+def random_fault_plan(
+    kinds: Sequence[str], *, world_size: int, steps: int, seed: int, min_gap_steps: int = 8
+) -> list[Fault]:
+    """One fault of each kind at random ranks and steps (deterministic given ``seed``),
+    at least ``min_gap_steps`` apart so each failure is recovered before the next."""
+    rng = np.random.default_rng(seed)
+    span = steps - min_gap_steps * (len(kinds) + 1)
+    if span < 0:
+        raise ValueError(
+            f"steps must be >= {min_gap_steps * (len(kinds) + 1)} for {len(kinds)} faults "
+            f"{min_gap_steps} steps apart, got {steps}"
+        )
+    offsets = np.sort(rng.integers(0, span + 1, len(kinds)))
+    faults = [
+        Fault(kind, int(rng.integers(0, world_size)), int(min_gap_steps * (i + 1) + offsets[i]))
+        for i, kind in enumerate(kinds)
+    ]
+    return validate_faults(faults, world_size=world_size, steps=steps)
+
+
+def restart_count() -> int:
+    """Which attempt this is: torchrun's count where present, else the supervisor's."""
+    return int(os.environ.get(TORCHELASTIC_RESTART_VAR, os.environ.get(RESTART_VAR, 0)))
+
+
+class EventLog:
+    """Heartbeat records, one JSON line each, flushed at once so a watcher sees them."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a", buffering=1)
+
+    def write(self, event: str, **fields: Any) -> None:
+        self._handle.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+
+
+def _fault_marker(run_dir: Path, fault: Fault) -> Path:
+    return run_dir / "faults" / fault.fault_id
+
+
+def _watch_parent() -> None:
+    """Exit if the supervisor that started us disappears: no orphans even if it is SIGKILLed."""
+    parent = int(os.environ.get("LABKIT_SUPERVISOR_PID", 0))
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="labkit-parent-watch").start()
+
+
+def make_model(features: int, hidden: int, classes: int = 10):
+    """A three-layer classifier; every rank seeds torch the same way before making it."""
+    from labkit.models import mlp
+
+    return mlp([features, hidden, hidden, classes])
+
+
+def make_batch(step: int, rank: int, *, seed: int, batch_size: int, features: int, classes: int = 10):
+    """The batch for (step, rank) depends on nothing else, so a resumed run sees the same data."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(batch_size, features, generator=generator)
+    y = torch.randint(0, classes, (batch_size,), generator=generator)
+    return x, y
+
+
+def train_rank(
+    run_dir: str,
+    steps: int = 80,
+    features: int = 256,
+    hidden: int = 512,
+    batch_size: int = 128,
+    lr: float = 0.05,
+    seed: int = 0,
+    checkpoint_every: int = 10,
+    saver: str = "async",
+    straggle_extra_s: float = 0.4,
+    faults: Sequence[dict] = (),
+) -> dict:
+    """One rank of the supervised job; resumes from the newest verified checkpoint.
+
+    A committed checkpoint that will not load raises (:func:`labkit.checkpoint.load_for_resume`)
+    rather than quietly starting again from step 0.
+
+    Data-parallel SGD with momentum: every rank computes gradients on its own
+    batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the
+    state after ``k`` steps (``loader_position=k``).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from labkit.checkpoint import capture_training_state, load_for_resume, restore_training_state
+    from labkit.savers import AsyncSaver, SyncSaver
+
+    if saver not in ("async", "sync"):
+        raise ValueError(f"saver must be 'async' or 'sync', got {saver!r}")
+    _watch_parent()
+    run_path = Path(run_dir)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    attempt = restart_count()
+    log = EventLog(run_path / f"attempt-{attempt:03d}" / f"rank{rank}.jsonl")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if dist.get_backend() == "nccl" else "cpu")
+
+    torch.manual_seed(seed)
+    model = make_model(features, hidden).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    latest = load_for_resume(run_path / "checkpoints")
+    start_step = restore_training_state(latest.state, model, optimizer) if latest else 0
+    agreed = torch.tensor([start_step, -start_step], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if agreed[0].item() != -agreed[1].item():
+        raise RuntimeError(f"ranks restored different checkpoints (steps {-agreed[1].item()}..{agreed[0].item()})")
+    checkpointer = (AsyncSaver if saver == "async" else SyncSaver)(run_path / "checkpoints", keep=3) if rank == 0 else None
+    log.write("ready", restored_step=start_step, pid=os.getpid(), node=os.environ.get("LABKIT_NODE", ""))
+
+    mine = {
+        f.step: f for f in (Fault(**d) for d in faults)
+        if f.rank == rank and not _fault_marker(run_path, f).exists()
+    }
+    params = list(model.parameters())
+    straggling = False
+    for step in range(start_step, steps):
+        t_start = time.time()
+        fault = mine.get(step)
+        if fault is not None:
+            _fault_marker(run_path, fault).parent.mkdir(parents=True, exist_ok=True)
+            _fault_marker(run_path, fault).touch()
+            log.write("fault", kind=fault.kind, step=step, fault_id=fault.fault_id)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "hang":
+                while True:
+                    time.sleep(3600)
+            straggling = straggling or fault.kind == "straggle"
+        x, y = make_batch(step, rank, seed=seed, batch_size=batch_size, features=features)
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        if fault is not None and fault.kind == "nan":
+            loss = loss * float("nan")
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            log.write("nonfinite", step=step, loss=loss_value)
+            raise FloatingPointError(f"rank {rank}: loss is {loss_value} at step {step}; stopping before it reaches the weights")
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        if straggling:
+            time.sleep(straggle_extra_s)
+        t_computed = time.time()
+        log.write("computed", step=step)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world_size
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        optimizer.step()
+        t_end = time.time()
+        checkpoint_s = 0.0
+        done = step + 1
+        if checkpointer is not None and (done % checkpoint_every == 0 or done == steps):
+            state = capture_training_state(model, optimizer, loader_position=done)
+            checkpoint_s = checkpointer.save(done, state).blocked_s
+        log.write("step", step=step, t_start=t_start, t_end=t_end, compute_s=t_computed - t_start,
+                  sync_s=t_end - t_computed, checkpoint_s=checkpoint_s, loss=loss_value)
+    if checkpointer is not None:
+        t_close = time.time()
+        checkpointer.close()
+        log.write("closed", wait_s=time.time() - t_close)
+    dist.barrier()
+    log.write("done")
+    return {"rank": rank, "attempt": attempt, "restored_step": start_step, "final_step": steps}
+
+
+def final_weights(run_dir: str | Path) -> dict:
+    """The model weights of the newest verified checkpoint of a run."""
+    from labkit.checkpoint import load_latest
+
+    latest = load_latest(Path(run_dir) / "checkpoints")
+    if latest is None:
+        raise FileNotFoundError(f"no verified checkpoint under {run_dir}/checkpoints")
+    return latest.state["model"]
+
+
+def bit_identical(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def init_group_for_attempt(backend: str, timeout_s: float) -> None:
+    """Join the process group under a store prefix unique to this restart.
+
+    Under torchrun the ranks share the agent's store across restarts; keys from
+    the failed attempt (peer addresses) would be read by the new one.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"labkit-attempt-{restart_count()}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _report_error(run_path: Path, exc: Exception) -> None:
+    """Log the exception that ends this rank, so the supervisor can tell a bug from a bad node."""
+    try:
+        log = EventLog(run_path / f"attempt-{restart_count():03d}" / f"rank{os.environ['RANK']}.jsonl")
+        log.write("error", **triage.error_record(exc))
+    except Exception:  # noqa: BLE001 - never hide the exception being reported
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one rank, under the supervisor or torchrun."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m labkit.recovery_rank", description=main.__doc__)
+    parser.add_argument("--kwargs", default="{}", help="JSON object of train_rank keyword arguments (run_dir required)")
+    parser.add_argument("--standby", action="store_true",
+                        help="warm spare: import everything, then read one JSON line {env, kwargs, log} from stdin")
+    args = parser.parse_args(argv)
+    if args.standby:
+        import torch  # noqa: F401 - the point of a warm spare is to pay for imports before it is needed
+
+        import labkit.savers  # noqa: F401
+
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        orders = json.loads(line)
+        os.environ.update(orders["env"])
+        log_fd = os.open(orders["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        args.kwargs = json.dumps(orders["kwargs"])
+    if "RANK" not in os.environ:
+        parser.error("RANK is not set: start this under torchrun, or call labkit.recovery.supervise()")
+    kwargs = json.loads(args.kwargs)
+    if "run_dir" not in kwargs:
+        parser.error("--kwargs must name run_dir (a folder every rank can reach)")
+    import torch
+    import torch.distributed as dist
+
+    backend = os.environ.get("LABKIT_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ["LABKIT_BACKEND"] = backend
+    if backend == "gloo":
+        torch.set_num_threads(1)
+    try:
+        init_group_for_attempt(backend, float(os.environ.get("LABKIT_TIMEOUT_S", 1800)))
+        result = train_rank(**kwargs)
+    except Exception as exc:
+        _report_error(Path(kwargs["run_dir"]), exc)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
