@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from labkit import checkpoint as ckpt
+from labkit import checkpoint_stalls as stalls
 from labkit import fused_loss
 from labkit.devices import describe_machine, time_ms
 from labkit.launcher import launch
@@ -31,7 +31,7 @@ def check(name: str, ok: bool, detail: str) -> bool:
 
 
 def training_loop_target(state_mb: float, steps: int, save_every: int, device: str, workdir: Path) -> bool:
-    runs = {k: ckpt.train_with_checkpoints(k, workdir / k, state_mb=state_mb, steps=steps,
+    runs = {k: stalls.train_with_checkpoints(k, workdir / k, state_mb=state_mb, steps=steps,
                                            save_every=save_every, device=device, progress=True)
             for k in ("none", "sync", "async")}
     for run in runs.values():
@@ -56,9 +56,9 @@ def training_loop_target(state_mb: float, steps: int, save_every: int, device: s
 
 
 def dcp_target(state_mb_per_rank: float, saves: int, ranks: int, workdir: Path) -> bool:
-    results = launch(ckpt.compare_savers_rank, ranks, directory=str(workdir / "ranks"),
+    results = launch(stalls.compare_savers_rank, ranks, directory=str(workdir / "ranks"),
                      state_mb_per_rank=state_mb_per_rank, saves=saves, timeout_s=1200)
-    summary = ckpt.summarise_comparison(results)
+    summary = stalls.summarise_comparison(results)
     print(f"  {ranks} ranks x {results[0]['state_bytes'] / 1e6:.0f} MB; DCP async_save in thread mode")
     for kind, row in summary.items():
         print(f"  {kind:>9}: first blocked {row['first_blocked_s'] * 1e3:8.1f} ms, later blocked "

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from labkit.checkpoint import SAVERS, CheckpointError, list_checkpoints, load_latest, step_dir, verify
+from labkit.checkpoint import CheckpointError, list_checkpoints, load_latest, step_dir, verify
+from labkit.savers import SAVERS
 
 STATE_NUMEL = 250_000
 _CHILD_MAX_S = 60.0

@@ -19,18 +19,17 @@ from labkit.checkpoint import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     STATE_FILE,
-    AsyncSaver,
     CheckpointError,
-    SyncSaver,
     capture_training_state,
     list_checkpoints,
     load_for_resume,
     load_latest,
     restore_training_state,
     step_dir,
-    train_with_checkpoints,
     verify,
 )
+from labkit.checkpoint_stalls import train_with_checkpoints
+from labkit.savers import AsyncSaver, SyncSaver
 
 
 def _state(step: int, numel: int = 1000) -> dict:
@@ -184,7 +183,7 @@ _KILL_DRIVER = textwrap.dedent(
     import os, random, signal, sys, time
     import torch
     torch.set_num_threads(1)
-    from labkit.checkpoint import AsyncSaver, SyncSaver
+    from labkit.savers import AsyncSaver, SyncSaver
 
     root, kind, trials, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     rng = random.Random(seed)
@@ -354,7 +353,7 @@ def test_crash_consistency_check_finds_the_committed_checkpoint_after_every_kill
 
 def test_goodput_counts_slowed_steps_and_the_final_write_against_the_run():
     """One definition (labkit.interval.goodput): useful step time over wall time, last write included."""
-    from labkit.checkpoint import TrainingRun
+    from labkit.checkpoint_stalls import TrainingRun
 
     steps = [(i * 1.0, 1.0) for i in range(5)] + [(5.0, 3.0)]  # one step slowed by a background writer
     run = TrainingRun(kind="async", steps=6, save_every=3, state_bytes=1, wall_s=8.5, drain_s=1.5,
@@ -384,31 +383,31 @@ def _tensor_on_gpu(index: int):
 
 
 def test_snapshot_synchronises_every_gpu_the_state_lives_on(monkeypatch):
-    from labkit import checkpoint
+    from labkit import savers
 
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(str(device)))
-    monkeypatch.setattr(checkpoint._StagingArea, "_alloc",
+    monkeypatch.setattr(savers._StagingArea, "_alloc",
                         staticmethod(lambda src: torch.empty(src.shape, dtype=src.dtype)))
     state = {"stage0": torch.ones(4).as_subclass(_tensor_on_gpu(0)),
              "stage1": torch.full((4,), 2.0).as_subclass(_tensor_on_gpu(1)),
              "moments": [torch.full((2,), 3.0).as_subclass(_tensor_on_gpu(1))],
              "step": torch.tensor(7)}
-    staged = checkpoint._StagingArea().snapshot(state)
+    staged = savers._StagingArea().snapshot(state)
     assert sorted(synced) == ["cuda:0", "cuda:1"]
     assert staged["stage1"].tolist() == [2.0] * 4 and staged["moments"][0].tolist() == [3.0] * 2
 
 
 def test_snapshot_of_cpu_state_never_touches_cuda(monkeypatch):
-    from labkit import checkpoint
+    from labkit import savers
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronised CUDA for CPU state"))
-    staged = checkpoint._StagingArea().snapshot({"weights": torch.ones(3)})
+    staged = savers._StagingArea().snapshot({"weights": torch.ones(3)})
     assert staged["weights"].tolist() == [1.0] * 3
 
 
 def test_resume_experiment_runs_on_the_device_it_is_given(monkeypatch, tmp_path):
-    from labkit import checkpoint
+    from labkit import checkpoint_stalls
 
     class Stop(Exception):
         pass
@@ -420,18 +419,18 @@ def test_resume_experiment_runs_on_the_device_it_is_given(monkeypatch, tmp_path)
         raise Stop
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(checkpoint, "make_model", make_model)
+    monkeypatch.setattr(checkpoint_stalls, "make_model", make_model)
     with pytest.raises(Stop):
-        checkpoint.resume_experiment(tmp_path, device="cuda")
+        checkpoint_stalls.resume_experiment(tmp_path, device="cuda")
     assert asked == [torch.device("cuda")]
 
 
 def test_resume_experiment_on_cuda_without_a_gpu_names_the_fix(monkeypatch, tmp_path):
-    from labkit import checkpoint
+    from labkit import checkpoint_stalls
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA GPU .* use device='cpu'"):
-        checkpoint.resume_experiment(tmp_path, device="cuda")
+        checkpoint_stalls.resume_experiment(tmp_path, device="cuda")
 
 
 def test_cuda_rng_state_is_captured_and_restored_when_cuda_is_in_use(monkeypatch):

@@ -1,0 +1,297 @@
+"""Lab 7's experiments: real training loops that checkpoint every k steps, and what the saves cost them.
+
+:func:`train_with_checkpoints` trains the same model with each saver and records
+how long every save blocked the loop; :func:`resume_experiment` kills nothing but
+restarts from a checkpoint and checks the run continues bit-identically;
+:func:`compare_savers_rank` runs on real ranks, each saving its own shard, as
+torch.distributed.checkpoint does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from labkit import checkpoint
+from labkit.devices import PeakRss
+from labkit.models import mlp, parameter_count
+from labkit import savers
+from labkit.savers import SAVERS
+
+
+SIZES = {
+    "ci": {"state_mb": 64, "steps": 12, "save_every": 4, "dcp_state_mb_per_rank": 48, "dcp_saves": 3},
+    "gpu": {"state_mb": 512, "steps": 60, "save_every": 10, "dcp_state_mb_per_rank": 256, "dcp_saves": 4},
+    "multi-gpu": {"state_mb": 1024, "steps": 60, "save_every": 10, "dcp_state_mb_per_rank": 512, "dcp_saves": 4},
+}
+_WIDTH = 1024
+_BYTES_PER_PARAM_WITH_ADAM = 12
+
+
+def make_model(state_mb: float, *, device: str | torch.device = "cpu", seed: int = 0):
+    """An MLP plus Adam whose checkpoint (weights + two moments, fp32) is about
+    at least ``state_mb`` MB: the size, not the architecture, is what a save pays for."""
+    if state_mb <= 0:
+        raise ValueError(f"state_mb must be > 0, got {state_mb}")
+    layers = max(1, math.ceil(state_mb * 1e6 / _BYTES_PER_PARAM_WITH_ADAM / parameter_count([_WIDTH, _WIDTH])))
+    # Dropout draws from the RNG every step: a resume that did not restore the RNG state shows.
+    model = torch.nn.Sequential(mlp([_WIDTH] * (layers + 1), activation=torch.nn.GELU, seed=seed),
+                                torch.nn.Dropout(0.1)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def _train_step(model, optimizer, position: int, device, batch: int = 32) -> float:
+    gen = torch.Generator().manual_seed(position)
+    x = torch.randn(batch, _WIDTH, generator=gen).to(device)
+    target = torch.randn(batch, _WIDTH, generator=gen).to(device)
+    loss = torch.nn.functional.mse_loss(model(x), target)
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One checkpointed training run. Times are seconds; ``*_spans`` are
+    (start, duration) pairs relative to the run's start, for timelines.
+    ``wall_s`` ends with the last step; ``drain_s`` is the wait for the last
+    async write to commit after it (a cost paid once per run, not per save)."""
+
+    kind: str
+    steps: int
+    save_every: int
+    state_bytes: int
+    wall_s: float
+    drain_s: float
+    compute_s: float
+    saves: list[checkpoint.SaveStats]
+    step_spans: list[tuple[float, float]]
+    blocked_spans: list[tuple[float, float]]
+    write_spans: list[tuple[float, float]]
+    peak_rss_added_bytes: int
+    losses: list[float]
+
+    @property
+    def useful_s(self) -> float:
+        """Every step at this run's median step time: what the steps cost undisturbed.
+
+        A step slowed by the background writer counts only its undisturbed part.
+        """
+        durations = sorted(d for _, d in self.step_spans)
+        return len(durations) * durations[len(durations) // 2]
+
+    @property
+    def goodput(self) -> float:
+        """:func:`labkit.interval.goodput` of this run, the final write (``drain_s``) included."""
+        from labkit.interval import goodput
+
+        return goodput(self.useful_s, self.wall_s + self.drain_s)
+
+    @property
+    def mean_blocked_s(self) -> float:
+        """Mean seconds training stood still per save, timed around the save call by the loop."""
+        return sum(d for _, d in self.blocked_spans) / max(1, len(self.blocked_spans))
+
+    @property
+    def mean_write_s(self) -> float:
+        """Mean seconds a background write took after ``save`` returned (0 for a sync run).
+
+        An async save that blocks for less than half of this has moved the write
+        off the training loop; one that waits for its write blocks longer than it.
+        """
+        return sum(d for _, d in self.write_spans) / max(1, len(self.write_spans))
+
+    @property
+    def mean_total_s(self) -> float:
+        return sum(s.total_s for s in self.saves) / max(1, len(self.saves))
+
+
+def train_with_checkpoints(
+    kind: str,
+    directory: str | Path,
+    *,
+    state_mb: float,
+    steps: int,
+    save_every: int,
+    device: str | torch.device = "cpu",
+    keep: int = 2,
+    progress: bool = False,
+) -> TrainingRun:
+    """Train ``steps`` steps, saving every ``save_every`` with ``kind`` in
+    ``("none", "sync", "async")``, and record what each save cost training."""
+    if kind not in ("none", *SAVERS):
+        raise ValueError(f"kind must be 'none', 'sync' or 'async', got {kind!r}")
+    if steps < 1 or save_every < 1:
+        raise ValueError(f"steps and save_every must be >= 1, got {steps}, {save_every}")
+    from labkit.devices import synchronize
+
+    device = torch.device(device)
+    model, optimizer = make_model(state_mb, device=device)
+    _train_step(model, optimizer, 0, device)
+    saver = SAVERS[kind](directory, keep=keep) if kind != "none" else None
+    step_spans, blocked_spans, losses, saves = [], [], [], []
+    iterator = range(1, steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(iterator, desc=f"{kind} checkpoints", leave=False)
+    with PeakRss() as rss:
+        origin = time.perf_counter()
+        for step in iterator:
+            start = time.perf_counter()
+            losses.append(_train_step(model, optimizer, step, device))
+            synchronize(device)
+            step_spans.append((start - origin, time.perf_counter() - start))
+            if saver is not None and step % save_every == 0:
+                # blocked time as training saw it: the call, including any wait for the previous save
+                called = time.perf_counter()
+                saver.save(step, checkpoint.capture_training_state(model, optimizer, loader_position=step))
+                blocked_spans.append((called - origin, time.perf_counter() - called))
+        wall_s = time.perf_counter() - origin
+        drain_start = time.perf_counter()
+        if saver is not None:
+            saver.close()
+            saves = list(saver.history)
+        drain_s = time.perf_counter() - drain_start
+    write_spans = [
+        (s.started_s + s.blocked_s - origin, s.committed_s - s.started_s - s.blocked_s) for s in saves
+    ]
+    if kind == "sync":
+        write_spans = []
+    return TrainingRun(
+        kind=kind, steps=steps, save_every=save_every,
+        state_bytes=savers.state_bytes(checkpoint.capture_training_state(model, optimizer, loader_position=0)),
+        wall_s=wall_s, drain_s=drain_s, compute_s=sum(d for _, d in step_spans), saves=saves,
+        step_spans=step_spans, blocked_spans=blocked_spans, write_spans=write_spans,
+        peak_rss_added_bytes=rss.added_bytes, losses=losses,
+    )
+
+
+def resume_experiment(
+    directory: str | Path, *, kind: str = "async", state_mb: float = 8, steps: int = 8, save_at: int = 4,
+    device: str | torch.device = "cpu",
+) -> tuple[list[float], list[float]]:
+    """Losses after step ``save_at`` of an uninterrupted run, and of a run rebuilt
+    from scratch (different init, disturbed RNGs) and resumed from the checkpoint.
+
+    On ``device="cuda"`` the model's dropout draws from the CUDA generator, so the
+    losses match only if the checkpoint restored that generator's state too.
+    """
+    if not 1 <= save_at < steps:
+        raise ValueError(f"save_at must be in [1, steps), got {save_at} with steps={steps}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} needs a CUDA GPU and this machine has none; use device='cpu'")
+    model, optimizer = make_model(state_mb, device=device, seed=0)
+    with SAVERS[kind](directory, keep=2) as saver:
+        for step in range(1, save_at + 1):
+            _train_step(model, optimizer, step, device)
+        saver.save(save_at, checkpoint.capture_training_state(model, optimizer, loader_position=save_at))
+    uninterrupted = [_train_step(model, optimizer, step, device) for step in range(save_at + 1, steps + 1)]
+
+    model, optimizer = make_model(state_mb, device=device, seed=1)
+    random.random(), np.random.rand(), torch.rand(3), torch.rand(3, device=device)
+    position = checkpoint.restore_training_state(checkpoint.load_latest(directory).state, model, optimizer)
+    resumed = [_train_step(model, optimizer, step, device) for step in range(position + 1, steps + 1)]
+    return uninterrupted, resumed
+
+
+def timeline_spans(run: TrainingRun) -> list[tuple[str, float, float, str]]:
+    """Rows for ``labkit.plots.timeline`` (milliseconds): steps, blocked time, background writes."""
+    from labkit.plots import BASELINE, FIX, WARN
+
+    spans = [("training step", s * 1e3, d * 1e3, FIX) for s, d in run.step_spans]
+    spans += [("training blocked by save", s * 1e3, d * 1e3, WARN) for s, d in run.blocked_spans]
+    spans += [("background write", s * 1e3, d * 1e3, BASELINE) for s, d in run.write_spans]
+    return spans
+
+
+def _flat_rank_state(model, optimizer, rank: int) -> dict[str, torch.Tensor]:
+    """Model and Adam moments under rank-unique keys: each rank owns its shard, so
+    DCP writes every rank's tensors instead of de-duplicating them as replicas."""
+    state = {f"rank{rank}/model/{k}": v for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, moments in optimizer.state.items():
+        for key, value in moments.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[f"rank{rank}/optim/{names[id(param)]}/{key}"] = value
+    return state
+
+
+def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, steps_between: int = 2) -> dict:
+    """Rank function: the same shard saved by SyncSaver, AsyncSaver and DCP
+    ``async_save`` (thread mode, its default) between real training steps.
+
+    Before each timed save the previous one is drained and that wait is recorded
+    apart (``waited_s``): ``blocked_s`` is then what the save call itself costs
+    training, comparable across the three. The first call of each pays one-off
+    set-up (allocating staging buffers; DCP's planning) and is reported as such.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if saves < 2:
+        raise ValueError(f"saves must be >= 2 (the first call is set-up), got {saves}")
+    rank = dist.get_rank()
+    root = Path(directory)
+    model, optimizer = make_model(state_mb_per_rank, seed=rank)
+    position = 0
+    _train_step(model, optimizer, position, "cpu")
+    results: dict[str, Any] = {"rank": rank, "state_bytes": savers.state_bytes(_flat_rank_state(model, optimizer, rank))}
+    for kind in ("sync", "async", "dcp_async"):
+        saver = SAVERS[kind](root / kind / f"rank{rank}", keep=2) if kind in SAVERS else None
+        blocked, waited, total, future, done_at = [], [], [], None, {}
+        dist.barrier()
+        for index in range(saves):
+            for _ in range(steps_between):
+                position += 1
+                _train_step(model, optimizer, position, "cpu")
+            state = _flat_rank_state(model, optimizer, rank)
+            drain = time.perf_counter()
+            if isinstance(saver, savers.AsyncSaver):
+                saver.wait()
+            elif future is not None:
+                future.result()
+            start = time.perf_counter()
+            waited.append(start - drain)
+            if saver is not None:
+                blocked.append(saver.save(index, state).blocked_s)
+            else:
+                future = dcp.async_save(state, checkpoint_id=str(root / "dcp" / f"save{index}"))
+                future.add_done_callback(
+                    lambda _f, i=index, t0=start: done_at.__setitem__(i, time.perf_counter() - t0)
+                )
+                blocked.append(time.perf_counter() - start)
+        if saver is not None:
+            saver.close()
+            total = [s.total_s for s in saver.history]
+        else:
+            future.result()
+            total = [done_at[i] for i in range(saves)]
+        results[kind] = {"blocked_s": blocked, "waited_s": waited, "total_s": total}
+    dist.barrier()
+    return results
+
+
+def summarise_comparison(results: list[dict]) -> dict[str, dict[str, float]]:
+    """Per saver, over ranks: first-call blocking, and the worst rank's mean of the
+    later calls (a step waits for its slowest rank)."""
+    summary = {}
+    for kind in ("sync", "async", "dcp_async"):
+        later = [sum(r[kind]["blocked_s"][1:]) / len(r[kind]["blocked_s"][1:]) for r in results]
+        totals = [sum(r[kind]["total_s"][1:]) / len(r[kind]["total_s"][1:]) for r in results]
+        summary[kind] = {
+            "first_blocked_s": max(r[kind]["blocked_s"][0] for r in results),
+            "blocked_s": max(later),
+            "total_s": max(totals),
+        }
+    return summary
