@@ -27,7 +27,7 @@ os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
 import daft  # noqa: E402
 
-from labkit import catalog, dataengine, dataset, loaders  # noqa: E402
+from labkit import catalog, dataengine, dataset, loaders, representations# noqa: E402
 from labkit.devices import describe_machine, load_average, loader_workers  # noqa: E402
 from labkit.paths import data_dir  # noqa: E402
 
@@ -57,8 +57,8 @@ def main() -> int:
     frame = catalog.read_catalog(ds)
     job = frame.select("path", "label").to_pydict()
     workdir = data_dir() / "lab02" / ds.name
-    cache = dataengine.write_tensor_cache(frame, workdir / f"tensors_{args.image_px}px.parquet", args.image_px)
-    packed = dataengine.write_packed(frame, workdir / "packed.parquet")
+    cache = representations.write_tensor_cache(frame, workdir / f"tensors_{args.image_px}px.parquet", args.image_px)
+    packed = representations.write_packed(frame, workdir / "packed.parquet")
     print(f"{ds.num_images} images; tensor cache written in {cache.write_s:.1f} s "
           f"({cache.disk_bytes / 1e6:.1f} MB), packed in {packed.write_s:.1f} s ({packed.disk_bytes / 1e6:.1f} MB)")
 
@@ -66,11 +66,11 @@ def main() -> int:
         "PIL DataLoader": lambda: loaders.file_loader(
             job["path"], job["label"], batch_size=args.batch_size, image_px=args.image_px,
             num_workers=args.cores, augment=False),
-        "daft pipeline": lambda: dataengine.file_batches(frame, args.image_px, args.batch_size),
-        "daft, own resize": lambda: dataengine.file_batches(
+        "daft pipeline": lambda: representations.file_batches(frame, args.image_px, args.batch_size),
+        "daft, own resize": lambda: representations.file_batches(
             frame, args.image_px, args.batch_size, resizer="daft"),
-        "daft packed": lambda: dataengine.packed_batches(packed.path, args.image_px, args.batch_size),
-        "tensor cache": lambda: dataengine.cache_batches(cache.path, args.batch_size),
+        "daft packed": lambda: representations.packed_batches(packed.path, args.image_px, args.batch_size),
+        "tensor cache": lambda: representations.cache_batches(cache.path, args.batch_size),
     }
     rates = dict.fromkeys(loaders_under_test, 0.0)
     for repeat in range(args.repeats):

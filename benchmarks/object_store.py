@@ -25,7 +25,7 @@ os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
 import daft  # noqa: E402
 
-from labkit import dataengine, dataset, loaders  # noqa: E402
+from labkit import dataengine, dataset, loaders, representations# noqa: E402
 from labkit.devices import describe_machine, load_average  # noqa: E402
 from labkit.objectstore import HttpFetch, ObjectStore  # noqa: E402
 
@@ -99,7 +99,7 @@ def main() -> int:
         print(run.line(f"(a) PIL DataLoader, {args.workers} workers", images, "images"))
         frame = daft.from_pydict({"path": urls, "label": labels})
         with Measured(store) as run:
-            images, _ = dataengine.drain(dataengine.file_batches(frame, args.image_px, args.batch_size))
+            images, _ = dataengine.drain(representations.file_batches(frame, args.image_px, args.batch_size))
         print(run.line("(b) Daft download + decode + resize", images, "images"))
     return 0
 

@@ -6,7 +6,13 @@ Each lab opens the module its first cell names. The core every lab shares:
 cache), ``atomic`` (crash-safe writes) and ``plots`` (one style).
 """
 
-from labkit.profiles import Profile, profile
+import os
+
+# Daft sends usage analytics unless told not to; the course's traffic stays on this machine
+# (loopback and its own namespaces). Set here, before any labkit module imports daft.
+os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
+
+from labkit.profiles import Profile, profile  # noqa: E402
 
 __all__ = ["Profile", "profile"]
 __version__ = "0.1.0"

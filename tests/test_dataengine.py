@@ -9,7 +9,7 @@ import daft
 import pytest
 import torch
 
-from labkit import catalog, dataengine
+from labkit import catalog, daft_runners, dataengine, representations
 from labkit.objectstore import ObjectStore
 
 IMAGE_PX = 16
@@ -24,9 +24,9 @@ def selected(small_dataset):
 @pytest.fixture(scope="module")
 def stores(selected, tmp_path_factory):
     folder = tmp_path_factory.mktemp("representations")
-    packed = dataengine.write_packed(selected, folder / "packed.parquet", rows_per_group=ROWS_PER_GROUP)
-    cache = dataengine.write_tensor_cache(selected, folder / "tensors.parquet", IMAGE_PX)
-    return dataengine.files_representation(selected), packed, cache
+    packed = representations.write_packed(selected, folder / "packed.parquet", rows_per_group=ROWS_PER_GROUP)
+    cache = representations.write_tensor_cache(selected, folder / "tensors.parquet", IMAGE_PX)
+    return representations.files_representation(selected), packed, cache
 
 
 def _collect(batches):
@@ -35,7 +35,7 @@ def _collect(batches):
 
 
 def test_pipeline_yields_uint8_chw_batches_of_the_batch_size(selected):
-    batches = list(dataengine.file_batches(selected, IMAGE_PX, batch_size=32))
+    batches = list(representations.file_batches(selected, IMAGE_PX, batch_size=32))
     assert all(images.shape[1:] == (3, IMAGE_PX, IMAGE_PX) for images, _ in batches)
     assert all(images.dtype == torch.uint8 and labels.dtype == torch.int64 for images, labels in batches)
     assert [len(labels) for _, labels in batches[:-1]] == [32] * (len(batches) - 1)
@@ -46,9 +46,9 @@ def test_every_representation_feeds_the_same_pixels(selected, stores):
     _, packed, cache = stores
     by_label = []
     for batches in (
-        dataengine.file_batches(selected, IMAGE_PX, 32),
-        dataengine.packed_batches(packed.path, IMAGE_PX, 32),
-        dataengine.cache_batches(cache.path, 32),
+        representations.file_batches(selected, IMAGE_PX, 32),
+        representations.packed_batches(packed.path, IMAGE_PX, 32),
+        representations.cache_batches(cache.path, 32),
     ):
         images, labels = _collect(batches)
         by_label.append((labels.sort().values.tolist(), int(images.sum(dtype=torch.int64))))
@@ -73,20 +73,20 @@ def test_packed_needs_one_request_per_row_group_not_per_image(selected, stores):
     assert packed.row_groups > 1
     paths = selected.select("path").to_pydict()["path"]
     with ObjectStore(os.path.commonpath([*paths, str(packed.path)])) as store:
-        fetched_files = dataengine.fetch_files(store, paths)
+        fetched_files = representations.fetch_files(store, paths)
         assert fetched_files.data_requests == len(paths) == store.requests("GET")
-        fetched = dataengine.fetch_parquet(store, packed.path, name="packed")
+        fetched = representations.fetch_parquet(store, packed.path, name="packed")
         assert fetched.data_requests + fetched.metadata_requests == store.requests() - len(paths)
     assert fetched_files.bytes_read == sum(os.path.getsize(path) for path in paths)
     assert fetched.images == len(paths)
     assert fetched.data_requests == packed.row_groups == math.ceil(len(paths) / ROWS_PER_GROUP)
-    assert dataengine.rows_per_group(packed.path) == ROWS_PER_GROUP
+    assert representations.rows_per_group(packed.path) == ROWS_PER_GROUP
 
 
 def test_daft_pushes_projection_and_row_group_filters_into_the_scan_as_the_server_sees(stores):
     _, packed, _ = stores
     with ObjectStore(packed.path.parent) as store:
-        reads = dataengine.pushdown_reads(store, packed.path)
+        reads = representations.pushdown_reads(store, packed.path)
     assert reads.row_groups == packed.row_groups > 1
     assert reads.whole_bytes >= packed.disk_bytes
     assert reads.projected_bytes < reads.whole_bytes / 2
@@ -96,16 +96,16 @@ def test_daft_pushes_projection_and_row_group_filters_into_the_scan_as_the_serve
 def test_the_stores_first_byte_latency_is_paid_once_per_request(selected):
     paths = selected.select("path").to_pydict()["path"][:5]
     with ObjectStore(os.path.commonpath(paths), first_byte_ms=20) as store:
-        fetched = dataengine.fetch_files(store, paths)
+        fetched = representations.fetch_files(store, paths)
         assert fetched.data_requests == store.requests() == 5
     assert fetched.fetch_s >= 5 * 0.020
 
 
 def test_expected_requests_is_n_over_rows_per_group():
-    assert dataengine.expected_requests(1000, 1) == 1000
-    assert dataengine.expected_requests(1000, 128) == 8
+    assert representations.expected_requests(1000, 1) == 1000
+    assert representations.expected_requests(1000, 128) == 8
     with pytest.raises(ValueError, match="rows_per_group >= 1"):
-        dataengine.expected_requests(10, 0)
+        representations.expected_requests(10, 0)
 
 
 def test_tensor_cache_beats_decode_per_step(selected, stores):
@@ -114,8 +114,8 @@ def test_tensor_cache_beats_decode_per_step(selected, stores):
     def best_s(make):
         return min(dataengine.drain(make())[1] for _ in range(3))
 
-    decode_s = best_s(lambda: dataengine.file_batches(selected, IMAGE_PX, 32))
-    cache_s = best_s(lambda: dataengine.cache_batches(cache.path, 32))
+    decode_s = best_s(lambda: representations.file_batches(selected, IMAGE_PX, 32))
+    cache_s = best_s(lambda: representations.cache_batches(cache.path, 32))
     assert cache_s < decode_s
 
 
@@ -155,31 +155,31 @@ def test_step_meter_sees_every_image_but_the_first_batch(stores):
     from labkit.accelerator import StandInAccelerator
 
     summary = dataengine.measure_feed(
-        dataengine.cache_batches(cache.path, 16), StandInAccelerator(images_per_s=50_000)
+        representations.cache_batches(cache.path, 16), StandInAccelerator(images_per_s=50_000)
     )
     assert summary.items == cache.rows - 16
     assert 0.0 < summary.busy_fraction <= 1.0
 
 
 def test_ray_skips_with_a_reason_when_asked(monkeypatch, small_dataset):
-    monkeypatch.setenv(dataengine.SKIP_RAY_ENV, "1")
-    (result,) = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
-    assert result.skipped and dataengine.SKIP_RAY_ENV in result.skipped
+    monkeypatch.setenv(daft_runners.SKIP_RAY_ENV, "1")
+    (result,) = daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
+    assert result.skipped and daft_runners.SKIP_RAY_ENV in result.skipped
 
 
 def test_bad_runner_is_refused_before_any_process_starts(small_dataset):
     with pytest.raises(ValueError, match="runner must be one of"):
-        dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("spark",))
+        daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("spark",))
 
 
 def test_cli_names_a_missing_catalog(tmp_path, capsys):
-    assert dataengine.main(["--catalog", str(tmp_path / "none.parquet")]) == 2
+    assert daft_runners.main(["--catalog", str(tmp_path / "none.parquet")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_native_runner_in_a_subprocess_decodes_the_selected_images(small_dataset):
     start = time.perf_counter()
-    (native,) = dataengine.compare_runners(small_dataset.catalog_path, image_px=8, limit=24, runners=("native",))
+    (native,) = daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=24, runners=("native",))
     assert native.images == 24 and native.skipped is None
     assert native.process_s <= time.perf_counter() - start
     table = small_dataset.catalog().sort_by("image_id").slice(0, 24)
@@ -193,7 +193,7 @@ def test_a_runner_that_overruns_is_stopped_with_what_it_started_and_named(tmp_pa
     script = ("import subprocess, time, pathlib; child = subprocess.Popen(['sleep', '60']); "
               f"pathlib.Path({str(pid_file)!r}).write_text(str(child.pid)); time.sleep(60)")
     with pytest.raises(RuntimeError, match="did not finish within 2 s; stopped it and every process it started"):
-        dataengine._run_runner([sys.executable, "-c", script], timeout_s=2)
+        daft_runners._run_runner([sys.executable, "-c", script], timeout_s=2)
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while running(grandchild) and time.monotonic() < deadline:
@@ -207,7 +207,7 @@ def test_a_file_lost_after_the_check_is_named_by_the_pipeline(tmp_path):
     lost = str(tmp_path / "lost.jpg")
     frame = daft.from_pydict({"path": [lost], "label": [0]})
     with pytest.raises(FileNotFoundError, match="lost.jpg"):
-        list(dataengine.file_batches(frame, IMAGE_PX, 4))
+        list(representations.file_batches(frame, IMAGE_PX, 4))
 
 
 def test_both_resizers_give_pil_bilinear_pixels(selected):
@@ -221,7 +221,7 @@ def test_both_resizers_give_pil_bilinear_pixels(selected):
         for path in paths
     ]).permute(0, 3, 1, 2).float()
     for resizer in dataengine.RESIZERS:
-        images, _ = next(dataengine.file_batches(selected.limit(32), IMAGE_PX, 32, resizer=resizer))
+        images, _ = next(representations.file_batches(selected.limit(32), IMAGE_PX, 32, resizer=resizer))
         difference = (images.float() - expected).abs()
         assert difference.mean() < 1.0 and difference.max() <= 8, resizer
 

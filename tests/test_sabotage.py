@@ -112,23 +112,23 @@ SABOTAGES = [
     """, fails_at="cell-23", says="workers overlap decoding with compute",
              needs=("cell-01", "cell-05", "cell-03", "cell-22")),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
-        from labkit import dataengine, profile
+        from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px
-        _packed, _decode = dataengine.write_packed, dataengine.packed_batches
-        dataengine.write_tensor_cache = lambda frame, target, image_px: _packed(frame, target)
-        dataengine.cache_batches = lambda path, batch_size: _decode(path, _px, batch_size)
+        _packed, _decode = representations.write_packed, representations.packed_batches
+        representations.write_tensor_cache = lambda frame, target, image_px: _packed(frame, target)
+        representations.cache_batches = lambda path, batch_size: _decode(path, _px, batch_size)
     """, fails_at="5c81458e", says="cache.disk_bytes",
              needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
     Sabotage("02_data_engine", "the packed file puts every image in its own row group", """
-        from labkit import dataengine
-        _packed = dataengine.write_packed
-        dataengine.write_packed = lambda frame, target, rows_per_group=128: _packed(frame, target, rows_per_group=1)
+        from labkit import representations
+        _packed = representations.write_packed
+        representations.write_packed = lambda frame, target, rows_per_group=128: _packed(frame, target, rows_per_group=1)
     """, fails_at="5c81458e", says="packed.disk_bytes - files.disk_bytes",
              needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
     Sabotage("02_data_engine", "the reader fetches the whole file and filters in memory", """
         import daft
-        from labkit import dataengine
-        dataengine.read_parquet_url = lambda url: daft.from_arrow(daft.read_parquet(url).to_arrow())
+        from labkit import representations
+        representations.read_parquet_url = lambda url: daft.from_arrow(daft.read_parquet(url).to_arrow())
     """, fails_at="pushdown-02", says="projection pushdown",
              needs=("ea9b2598", "ec76baf4", "9134b9d0", "5c81458e")),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
@@ -189,13 +189,13 @@ SABOTAGES = [
     """, fails_at="bytes-asserts-06", says="int8 weights on the wire",
              needs=("de64dbe2", "fabric-run-06", "bytes-table-06"), trim=TRIM_LAB6_BYTES_ONLY),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
-        from labkit import checkpoint
-        _save = checkpoint.AsyncSaver.save
+        from labkit import savers
+        _save = savers.AsyncSaver.save
         def _save_and_wait(self, step, state):
             stats = _save(self, step, state)
             self.wait()
             return stats
-        checkpoint.AsyncSaver.save = _save_and_wait
+        savers.AsyncSaver.save = _save_and_wait
     """, fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
              needs=('09780d08', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
