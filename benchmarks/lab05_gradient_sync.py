@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from labkit import collectives, gradsync, parallelism, profile
+from labkit import collectives, gradsync, gradsync_model, parallelism, profile
 from labkit.devices import describe_machine
 
 PARTS = ("counts", "gradsync", "tp")
@@ -52,18 +52,18 @@ def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed:
         result = gradsync.run_experiment(world_size, rates_gbit=rates_gbit, deepspeed_stages=(1, 2) if deepspeed else ())
         print(f"\n== run {run + 1}/{runs}, {world_size} ranks one per node: launch {time.perf_counter() - start:.1f} s, "
               f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-        gradsync.print_table(result)
+        gradsync_model.print_table(result)
         for row in result["rows"]:
             ratios.setdefault((row["rate_gbit"], row["mode"]), []).append(row["measured_over_model"])
         rows, slowest = result["rows"], min(rates_gbit)
         shaped = [rate for rate in rates_gbit if rate < max(gradsync.RATES_GBIT)]
         held["delayed faster than sync-every at every rate below 100 Gbit/s"] += all(
-            gradsync.find_row(rows, rate_gbit=rate, mode="delayed_sync")["ms_per_sample"]
-            < gradsync.find_row(rows, rate_gbit=rate, mode="sync_every_micro_step")["ms_per_sample"]
+            gradsync_model.find_row(rows, rate_gbit=rate, mode="delayed_sync")["ms_per_sample"]
+            < gradsync_model.find_row(rows, rate_gbit=rate, mode="sync_every_micro_step")["ms_per_sample"]
             for rate in shaped
         )
         held["sync-every slower than one rank alone at the slowest rate"] += (
-            gradsync.find_row(rows, rate_gbit=slowest, mode="sync_every_micro_step")["ms_per_sample"]
+            gradsync_model.find_row(rows, rate_gbit=slowest, mode="sync_every_micro_step")["ms_per_sample"]
             > result["single_device"]["ms_per_sample"]
         )
         for ds in result.get("deepspeed", []):
@@ -72,7 +72,7 @@ def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed:
     print(f"\n== measured / model over {runs} runs (min, median, max)")
     for (rate, mode), values in ratios.items():
         values = sorted(values)
-        print(f"{gradsync.rate_label(rate):>22} {mode:>22}: {values[0]:.3f} {statistics.median(values):.3f} {values[-1]:.3f}")
+        print(f"{gradsync_model.rate_label(rate):>22} {mode:>22}: {values[0]:.3f} {statistics.median(values):.3f} {values[-1]:.3f}")
     for name, count in held.items():
         print(f"{name}: held {count}/{runs}")
 

@@ -3,6 +3,7 @@
 import pytest
 
 from labkit import gradsync as g
+from labkit import gradsync_model
 from labkit.collectives import ring_bytes_per_rank
 from labkit.topology import GBIT
 
@@ -13,7 +14,7 @@ GRADIENT_BYTES = 4_202_496
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
 def test_accumulation_below_one_is_refused(bad):
     with pytest.raises(ValueError, match="accumulation must be an integer >= 1"):
-        g.check_accumulation(bad)
+        gradsync_model.check_accumulation(bad)
 
 
 def test_bad_arguments_fail_before_any_rank_starts():
@@ -28,38 +29,38 @@ def test_bad_arguments_fail_before_any_rank_starts():
 
 
 def test_delayed_sync_predicts_one_sync_per_window_and_the_baseline_one_per_micro_batch():
-    assert g.syncs_per_step("sync_every_micro_step", 8) == 8
-    assert g.syncs_per_step("delayed_sync", 8) == 1
+    assert gradsync_model.syncs_per_step("sync_every_micro_step", 8) == 8
+    assert gradsync_model.syncs_per_step("delayed_sync", 8) == 1
     with pytest.raises(ValueError, match="mode must be one of"):
-        g.syncs_per_step("sometimes", 8)
+        gradsync_model.syncs_per_step("sometimes", 8)
 
 
 def test_ring_model_predicts_one_all_reduce_of_the_gradients_per_sync():
-    assert g.predicted_ring_bytes_per_step(4000, 2, 3) == 3 * ring_bytes_per_rank("all_reduce", 4000, 2)
+    assert gradsync_model.predicted_ring_bytes_per_step(4000, 2, 3) == 3 * ring_bytes_per_rank("all_reduce", 4000, 2)
 
 
 def test_predicted_step_is_compute_plus_each_sync_at_the_link_rate_with_framing():
-    two_nodes = g.two_node_topology(2, 0.1)
+    two_nodes = gradsync_model.two_node_topology(2, 0.1)
     assert two_nodes.inter_node_bytes_per_s == pytest.approx(0.1 * GBIT)
     # 2 ranks: the ring sends the whole gradient each way once per all-reduce
     one_sync_s = GRADIENT_BYTES / (0.1 * GBIT)
-    assert g.predicted_step_s(0.03, 8, GRADIENT_BYTES, two_nodes) == pytest.approx(0.03 + 8 * one_sync_s)
-    assert g.predicted_step_s(0.03, 1, GRADIENT_BYTES, two_nodes, 1.05) == pytest.approx(0.03 + 1.05 * one_sync_s)
+    assert gradsync_model.predicted_step_s(0.03, 8, GRADIENT_BYTES, two_nodes) == pytest.approx(0.03 + 8 * one_sync_s)
+    assert gradsync_model.predicted_step_s(0.03, 1, GRADIENT_BYTES, two_nodes, 1.05) == pytest.approx(0.03 + 1.05 * one_sync_s)
     with pytest.raises(ValueError, match="must be >= 0"):
-        g.predicted_step_s(-1.0, 1, GRADIENT_BYTES, two_nodes)
+        gradsync_model.predicted_step_s(-1.0, 1, GRADIENT_BYTES, two_nodes)
 
 
 def test_ms_per_sample_divides_by_every_sample_of_the_step():
-    assert g.ms_per_sample(0.064, 2, 8, 4) == pytest.approx(1.0)
+    assert gradsync_model.ms_per_sample(0.064, 2, 8, 4) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="world_size and micro_batch must be >= 1"):
-        g.ms_per_sample(1.0, 0, 8, 4)
+        gradsync_model.ms_per_sample(1.0, 0, 8, 4)
 
 
 def test_framing_is_none_when_no_shaper_counted_the_bytes():
-    assert g.framing(1047, 1000) == pytest.approx(1.047)
-    assert g.framing(0, 1000) is None
+    assert gradsync_model.framing(1047, 1000) == pytest.approx(1.047)
+    assert gradsync_model.framing(0, 1000) is None
     with pytest.raises(ValueError, match="payload_bytes must be > 0"):
-        g.framing(10, 0)
+        gradsync_model.framing(10, 0)
 
 
 def _synthetic_result(wire_per_payload: float) -> dict:
@@ -74,9 +75,9 @@ def _synthetic_result(wire_per_payload: float) -> dict:
 
 
 def test_predictions_use_the_measured_framing_and_say_how_far_the_measurement_is():
-    result = g.add_predictions(_synthetic_result(1.05))
+    result = gradsync_model.add_predictions(_synthetic_result(1.05))
     assert result["wire_bytes_per_payload_byte"] == pytest.approx(1.05)
-    every = g.find_row(result["rows"], mode="sync_every_micro_step")
+    every = gradsync_model.find_row(result["rows"], mode="sync_every_micro_step")
     model_s = 0.032 + 8 * 1.05 * GRADIENT_BYTES / (0.1 * GBIT)
     assert every["model_ms_per_sample"] == pytest.approx(1e3 * model_s / 64)
     assert every["measured_over_model"] == pytest.approx(40.0 / every["model_ms_per_sample"])
@@ -85,9 +86,9 @@ def test_predictions_use_the_measured_framing_and_say_how_far_the_measurement_is
 
 
 def test_without_shapers_the_model_assumes_no_framing():
-    result = g.add_predictions(_synthetic_result(0.0))
+    result = gradsync_model.add_predictions(_synthetic_result(0.0))
     assert result["wire_bytes_per_payload_byte"] is None
-    delayed = g.find_row(result["rows"], mode="delayed_sync")
+    delayed = gradsync_model.find_row(result["rows"], mode="delayed_sync")
     assert delayed["model_ms_per_sample"] == pytest.approx(1e3 * (0.032 + GRADIENT_BYTES / (0.1 * GBIT)) / 64)
 
 
@@ -116,15 +117,15 @@ def emulated():
 def test_the_emulated_run_says_so_and_its_links_only_sleep(emulated):
     assert emulated["mode_label"] == "emulated (sleep): forced by the test"
     assert emulated["wire_bytes_per_payload_byte"] is None
-    every = g.find_row(emulated["rows"], mode="sync_every_micro_step")
+    every = gradsync_model.find_row(emulated["rows"], mode="sync_every_micro_step")
     assert every["emulated_s_per_step"] > 0 and every["tx_bytes_per_step"] == 0
 
 
 @pytest.mark.slow
 def test_delayed_sync_cuts_all_reduce_calls_by_exactly_the_accumulation_factor(emulated):
     acc = SMALL["accumulation"]
-    every = g.find_row(emulated["rows"], mode="sync_every_micro_step")
-    delayed = g.find_row(emulated["rows"], mode="delayed_sync")
+    every = gradsync_model.find_row(emulated["rows"], mode="sync_every_micro_step")
+    delayed = gradsync_model.find_row(emulated["rows"], mode="delayed_sync")
     assert delayed["all_reduce_calls_per_step"] >= 1
     assert every["all_reduce_calls_per_step"] == acc * delayed["all_reduce_calls_per_step"]
 
@@ -138,7 +139,7 @@ def test_delayed_sync_makes_the_same_update(emulated):
 def test_counted_gradient_bytes_match_the_ring_model(emulated):
     acc, grad_bytes = SMALL["accumulation"], emulated["gradient_bytes"]
     for mode, syncs in (("sync_every_micro_step", acc), ("delayed_sync", 1)):
-        row = g.find_row(emulated["rows"], mode=mode)
+        row = gradsync_model.find_row(emulated["rows"], mode=mode)
         assert row["all_reduce_bytes_per_step"] == syncs * grad_bytes
         assert row["ring_bytes_per_step"] == row["model_ring_bytes_per_step"]
 
@@ -161,7 +162,7 @@ def test_deepspeed_stages_1_and_2_all_gather_the_updated_parameters_once_per_ste
 
 
 def test_bytes_sent_are_compared_with_the_ring_model_over_the_whole_run():
-    result = g.add_predictions(_synthetic_result(1.05))
+    result = gradsync_model.add_predictions(_synthetic_result(1.05))
     for row in result["rows"]:
         row["tx_bytes_per_step_by_rank"] = [1.01 * row["model_ring_bytes_per_step"]] * 2
-    assert g.sent_over_model(result) == pytest.approx(1.01)
+    assert gradsync_model.sent_over_model(result) == pytest.approx(1.01)
