@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from labkit import collectives, gradsync, gradsync_model, parallelism, profile
+from labkit import collective_bench, collectives, gradsync, gradsync_model, parallelism, profile
 from labkit.devices import describe_machine
 
 PARTS = ("counts", "gradsync", "tp")
@@ -28,10 +28,10 @@ PARTS = ("counts", "gradsync", "tp")
 def counts_and_bandwidth(world_size: int) -> None:
     numel = 3000
     start = time.perf_counter()
-    results = collectives.run_count_and_benchmark(world_size, numel)
+    results = collective_bench.run_count_and_benchmark(world_size, numel)
     print(f"\n== {world_size} ranks: counted bytes vs ring model (launch {time.perf_counter() - start:.1f} s)")
     for op in collectives.OPS:
-        message = collectives.expected_message_bytes(op, numel, world_size)
+        message = collective_bench.expected_message_bytes(op, numel, world_size)
         model = collectives.ring_bytes_per_rank(op, message, world_size)
         counted = [r["counted"]["counts"][op]["ring_bytes"] for r in results]
         verdict = "MATCH" if all(c == model for c in counted) else "MISMATCH"

@@ -44,13 +44,13 @@ class StepEstimate:
 
 def measure_card(*, quick: bool = True) -> MachineCard:
     """Measure every rate once; ``quick`` keeps the whole card under a minute on a 2-core box."""
-    from labkit import collectives, microbench
+    from labkit import collective_bench, microbench
 
     device = pick_device()
     scale = 1 if quick else 4
     flops = microbench.measure_matmul_flops(device, 512 * scale if device.type == "cpu" else 8192, "float32")
     bandwidth = microbench.measure_bandwidth(device, 4_000_000 * scale if device.type == "cpu" else 100_000_000)
-    rows = collectives.run_benchmark(2, message_bytes=[16 * 2**20], ops=("all_reduce",), repeats=5)
+    rows = collective_bench.run_benchmark(2, message_bytes=[16 * 2**20], ops=("all_reduce",), repeats=5)
     busbw = rows[0]["busbw_gbytes_per_s"] * 1e9
     return MachineCard(
         device=str(device),

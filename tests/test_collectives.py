@@ -2,6 +2,7 @@
 
 import pytest
 
+from labkit import collective_bench
 from labkit import collectives as c
 from labkit.collectives import LINKS, Link, collective_time_s, ring_bytes_per_rank
 
@@ -50,7 +51,7 @@ def test_bus_bandwidth_factors_follow_nccl_tests():
     assert c.bus_bandwidth_factor("all_reduce", 4) == 1.5
     assert c.bus_bandwidth_factor("all_gather", 4) == 0.75
     assert c.bus_bandwidth_factor("reduce_scatter", 4) == 0.75
-    algbw, busbw = c.bandwidths_gbytes_per_s("all_reduce", 2 * 10**9, 4, 1.0)
+    algbw, busbw = collective_bench.bandwidths_gbytes_per_s("all_reduce", 2 * 10**9, 4, 1.0)
     assert (algbw, busbw) == (2.0, 3.0)
 
 
@@ -63,8 +64,8 @@ def test_bus_bandwidth_factors_follow_nccl_tests():
         (lambda: ring_bytes_per_rank("all_reduce", 100, 0), "world_size must be >= 1"),
         (lambda: ring_bytes_per_rank("all_reduce", -1, 2), "message_bytes must be >= 0"),
         (lambda: ring_bytes_per_rank("allreduce", 100, 2), "op must be one of"),
-        (lambda: c.bandwidths_gbytes_per_s("all_reduce", 100, 2, 0.0), "time_s must be > 0"),
-        (lambda: c.run_benchmark(1), "world_size must be >= 2"),
+        (lambda: collective_bench.bandwidths_gbytes_per_s("all_reduce", 100, 2, 0.0), "time_s must be > 0"),
+        (lambda: collective_bench.run_benchmark(1), "world_size must be >= 2"),
     ],
 )
 def test_bad_input_names_the_argument(call, message):
@@ -79,16 +80,16 @@ def test_counted_bytes_equal_the_ring_model_and_the_emulation_sleeps_the_modelle
 
     numel, repeats, link = 3000, 2, LINKS["1 Gbps"]
     results = launch(
-        c.count_collectives_rank, world_size, numel_per_rank=numel, ops=c.OPS, repeats=repeats,
+        collective_bench.count_collectives_rank, world_size, numel_per_rank=numel, ops=c.OPS, repeats=repeats,
         link_name=link.name, async_op=async_op,
     )
     expected_s = 0.0
     for op in c.OPS:
-        expected_s += repeats * collective_time_s(op, c.expected_message_bytes(op, numel, world_size), world_size, link)
+        expected_s += repeats * collective_time_s(op, collective_bench.expected_message_bytes(op, numel, world_size), world_size, link)
     for result in results:
         assert result["wrappers_removed"]
         for op in c.OPS:
-            message_bytes = c.expected_message_bytes(op, numel, world_size)
+            message_bytes = collective_bench.expected_message_bytes(op, numel, world_size)
             count = result["counts"][op]
             assert count["calls"] == repeats
             assert count["message_bytes"] == repeats * message_bytes
