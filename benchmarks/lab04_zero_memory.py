@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from labkit import profile, zero
+from labkit import nvme_offload, profile, zero
 from labkit import zero_probe as zp
 from labkit.devices import describe_machine
 
@@ -23,7 +23,7 @@ MB = 1e6
 def main() -> int:
     prof = profile()
     size = prof.pick(zp.SIZES)
-    nvme_ok, nvme_reason = zp.nvme_available(prof.name)
+    nvme_ok, nvme_reason = nvme_offload.nvme_available(prof.name)
     configs = list(zp.BASE_CONFIGS + zp.CPU_OFFLOAD_CONFIGS) + ([zp.NVME_CONFIG] if nvme_ok else [])
     print(prof.describe(), describe_machine())
     print(nvme_reason)

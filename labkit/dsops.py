@@ -92,6 +92,25 @@ def accelerator_for(backend: str) -> str | None:
     return "cpu" if backend == "gloo" else None
 
 
+def ranks_accelerator(backend: str | None = None):  # -> deepspeed's accelerator object
+    """DeepSpeed's accelerator inside the ranks of ``backend`` (default: the profile's).
+
+    Not necessarily this process's: on a GPU machine the parent's DeepSpeed picks
+    CUDA, while gloo ranks run on the CPU (the launcher sets ``DS_ACCELERATOR=cpu``
+    for them). A dtype or an op must be chosen for the ranks' accelerator.
+    """
+    from labkit import profile
+
+    backend = backend or profile().backend
+    if accelerator_for(backend) == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        return CPU_Accelerator()
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
 def ensure_built(
     names: tuple[str, ...] = (COMM_OP,), *, accelerator: str | None = None, verbose: bool = True,
     in_process: bool = False,

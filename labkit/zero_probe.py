@@ -2,40 +2,28 @@
 
 :mod:`labkit.zero` predicts per-rank bytes; this module checks the prediction on
 real engines running on real ranks. One launch builds an engine per
-configuration (stages 0-3, then CPU offload, then NVMe offload where the op is
-built), walks every tensor the engine and its optimizer reference, and
-sorts the storage into parameters, gradients, optimizer state and buffers
-(communication buckets, which ZeRO calls residual state and are not model
-states). Each storage is counted once, however many views point into it.
+configuration (stages 0-3, then CPU offload, then NVMe offload where
+:mod:`labkit.nvme_offload` says it can run) and weighs every tensor it holds,
+sorted into parameters, gradients, optimizer state and buffers
+(:mod:`labkit.zero_accounting`).
 
 Two moments are sampled per configuration: the end of the backward pass, before
 DeepSpeed's final gradient reduction (the peak of gradient memory: at stages 0-1
 every gradient is alive there) and after the optimizer step (Adam's moments
 exist only from the first step on). Each state's bytes are the larger of the two.
-
-Where a state lives: on GPU ranks a tensor's device says it. On CPU ranks the
-CPU stands in for the accelerator and both sides are the same RAM, so the probe
-reads DeepSpeed's own placement instead: states of an engine whose optimizer was
-offloaded (it then runs DeepSpeed's host-only CPU Adam) count as host-resident.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from labkit import zero
+from labkit import dsops, nvme_offload, zero, zero_accounting
 
-ROLES = ("params", "grads", "optimizer", "buffers")
 BUCKET_ELEMS = 2**16
-_BUFFER_PATH = re.compile(r"ipg|bucket|temp_|_for_cpu_offload|_for_gpu_offload|round_robin|meta")
-_GRAD_PATH = re.compile(r"grad")
-_HOST_GRAD_PATH = re.compile(r"offload|grad_partition")
 
 
 @dataclass(frozen=True)
@@ -126,39 +114,20 @@ class RankMeasurement:
         return min(self.step_ms)
 
 
-def ranks_accelerator(backend: str | None = None):  # -> deepspeed's accelerator object
-    """DeepSpeed's accelerator inside the ranks of ``backend`` (default: the profile's).
-
-    Not necessarily this process's: on a GPU machine the parent's DeepSpeed picks
-    CUDA, while gloo ranks run on the CPU (the launcher sets ``DS_ACCELERATOR=cpu``
-    for them). A dtype or an op must be chosen for the ranks' accelerator.
-    """
-    from labkit import dsops, profile
-
-    backend = backend or profile().backend
-    if dsops.accelerator_for(backend) == "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        return CPU_Accelerator()
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator()
-
-
 def default_dtype(backend: str | None = None) -> str:
     """bf16 where the ranks' accelerator supports it (every CPU DeepSpeed runs on), else fp16.
 
     A gloo rank gets bf16 even when this machine's GPU is a V100 or T4 (no bf16, so
     the parent's own choice would be fp16, which DeepSpeed refuses on the CPU).
     """
-    return "bf16" if ranks_accelerator(backend).is_bf16_supported() else "fp16"
+    return "bf16" if dsops.ranks_accelerator(backend).is_bf16_supported() else "fp16"
 
 
 def check_dtype_supported(dtype: str, backend: str | None = None) -> None:
     """Refuse, before any rank starts, a precision DeepSpeed would refuse inside every rank."""
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
-    accelerator = ranks_accelerator(backend)
+    accelerator = dsops.ranks_accelerator(backend)
     supported = accelerator.is_bf16_supported() if dtype == "bf16" else accelerator.is_fp16_supported()
     if not supported:
         other = "fp16" if dtype == "bf16" else "bf16"
@@ -194,111 +163,6 @@ def deepspeed_config(config: ProbeConfig, *, dtype: str, batch: int, nvme_dir: s
         "zero_optimization": zero_cfg,
         "steps_per_print": 10**9,
     }
-
-
-def _collect(obj: Any, path: str, found: dict[int, tuple[Any, list[str]]], seen: set[int],
-             depth: int = 0) -> None:
-    """Every tensor reachable from DeepSpeed/torch.optim objects, keyed by storage."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() == 0:
-            return
-        storage = obj.untyped_storage()
-        entry = found.setdefault(storage.data_ptr(), (obj, []))
-        entry[1].append(path)
-        return
-    if depth > 8 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            _collect(value, f"{path}[{key if isinstance(key, (str, int)) else type(key).__name__}]",
-                     found, seen, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            _collect(value, f"{path}[{index}]", found, seen, depth + 1)
-    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
-        for key, value in vars(obj).items():
-            _collect(value, f"{path}.{key}", found, seen, depth + 1)
-
-
-def _role(paths: Iterable[str], param_storages: set[int], optimizer_storages: set[int], ptr: int,
-          tensor) -> str:
-    if ptr in param_storages:
-        return "params"
-    if ptr in optimizer_storages:
-        return "optimizer"
-    if tensor.numel() <= 1:
-        return "buffers"
-    joined = " ".join(paths)
-    if "gathered" in joined:
-        return "buffers"
-    if re.search(r"fp32_partitioned_groups_flat|single_partition_of_fp32", joined) and tensor.dtype.is_floating_point:
-        return "optimizer"
-    if _BUFFER_PATH.search(joined) and not re.search(r"grad_partitions_flat|param_id_to_grad", joined):
-        return "buffers"
-    if _GRAD_PATH.search(joined):
-        return "grads"
-    return "buffers"
-
-
-def model_state_snapshot(engine) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes per role on the accelerator and on the host, by walking the engine's tensors."""
-    found: dict[int, tuple[Any, list[str]]] = {}
-    seen: set[int] = set()
-    param_storages: set[int] = set()
-    for name, param in engine.module.named_parameters():
-        partition = getattr(param, "ds_tensor", None)
-        if partition is not None and partition.numel() > 0:
-            param_storages.add(partition.untyped_storage().data_ptr())
-            _collect(partition, f"module.{name}.ds_tensor", found, seen)
-        if param.data.numel() > 0:
-            if partition is None:
-                param_storages.add(param.data.untyped_storage().data_ptr())
-            _collect(param.data, f"module.{name}.{'gathered' if partition is not None else 'data'}",
-                     found, seen)
-        if param.grad is not None:
-            _collect(param.grad, f"module.{name}.grad", found, seen)
-    basic = engine.basic_optimizer
-    optimizer_storages: set[int] = set()
-    for group in basic.param_groups:
-        for master in group["params"]:
-            if master.numel() > 0:
-                optimizer_storages.add(master.untyped_storage().data_ptr())
-                _collect(master, "optimizer.master", found, seen)
-            if master.grad is not None:
-                _collect(master.grad, "optimizer.master.grad", found, seen)
-    for state in basic.state.values():
-        for key, tensor in state.items():
-            if hasattr(tensor, "untyped_storage") and tensor.numel() > 1:
-                optimizer_storages.add(tensor.untyped_storage().data_ptr())
-                _collect(tensor, f"optimizer.state.{key}", found, seen)
-    _collect(engine.optimizer, "zero", found, seen)
-
-    wrapper = engine.optimizer
-    optimizer_on_host = bool(getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False))
-    params_on_host = bool(getattr(wrapper, "offload_param", False))
-    accelerator_type = engine.device.type if hasattr(engine.device, "type") else str(engine.device).split(":")[0]
-    accelerator = dict.fromkeys(ROLES, 0)
-    host = dict.fromkeys(ROLES, 0)
-    for ptr, (tensor, paths) in found.items():
-        role = _role(paths, param_storages, optimizer_storages, ptr, tensor)
-        nbytes = tensor.untyped_storage().nbytes()
-        if accelerator_type != "cpu":
-            on_host = tensor.device.type == "cpu"
-        else:
-            on_host = (
-                (role == "optimizer" and optimizer_on_host)
-                or (role == "params" and params_on_host)
-                or (role == "grads" and optimizer_on_host and bool(_HOST_GRAD_PATH.search(" ".join(paths))))
-            )
-        (host if on_host else accelerator)[role] += nbytes
-    return accelerator, host
-
-
-def _elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {key: max(a[key], b[key]) for key in a}
 
 
 def _build_model(size: ProbeSize):
@@ -339,7 +203,7 @@ def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]
     reduce = engine.allreduce_gradients
 
     def snapshot_then_reduce(*args, **kwargs):
-        snapshots.append(model_state_snapshot(engine))
+        snapshots.append(zero_accounting.model_state_snapshot(engine))
         return reduce(*args, **kwargs)
 
     engine.allreduce_gradients = snapshot_then_reduce
@@ -347,10 +211,10 @@ def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]
         _train_step(engine, batch)
     finally:
         engine.allreduce_gradients = reduce
-    snapshots.append(model_state_snapshot(engine))
+    snapshots.append(zero_accounting.model_state_snapshot(engine))
     accelerator, host = snapshots[0]
     for acc, hst in snapshots[1:]:
-        accelerator, host = _elementwise_max(accelerator, acc), _elementwise_max(host, hst)
+        accelerator, host = zero_accounting.elementwise_max(accelerator, acc), zero_accounting.elementwise_max(host, hst)
     return accelerator, host
 
 
@@ -409,80 +273,6 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
     return results
 
 
-RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-NVME_DIR_ENV = "LABKIT_NVME_DIR"
-
-
-def nvme_parent_dir() -> str:
-    """Where NVMe offload files go: ``$LABKIT_NVME_DIR``, else the temp folder."""
-    return os.environ.get(NVME_DIR_ENV) or tempfile.gettempdir()
-
-
-def filesystem_type(path: str, mounts_text: str | None = None) -> str:
-    """The type of the filesystem holding ``path`` (``"ext4"``, ``"tmpfs"``, ...), from ``/proc/mounts``.
-
-    The mount point that is the longest prefix of the resolved path wins; of equal
-    ones the last listed (a later mount hides an earlier one). ``"unknown"`` if none.
-    """
-    if mounts_text is None:
-        try:
-            with open("/proc/mounts") as handle:
-                mounts_text = handle.read()
-        except OSError:
-            return "unknown"
-    real = os.path.realpath(path)
-    best, fstype = "", "unknown"
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount = fields[1].replace("\\040", " ")
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, fstype = mount, fields[2]
-    return fstype
-
-
-def nvme_available(profile_name: str | None = None, *, backend: str | None = None,
-                   nvme_dir: str | None = None) -> tuple[bool, str]:
-    """Whether NVMe offload runs here, and if not, why (the reason the notebook prints).
-
-    Checked in order, cheapest first, so that the 4-8 minute build of DeepSpeed's
-    async_io op is never started where its result could not be used:
-
-    * the offload folder (``nvme_dir``, else :func:`nvme_parent_dir`) must not be
-      on a RAM filesystem: "offloading to NVMe" in a tmpfs ``/tmp`` copies RAM to
-      RAM and would be reported as disk;
-    * the ranks' accelerator (gloo ranks: the CPU's) must have an async_io op;
-    * a built op is used; otherwise the ci profile skips (the build does not fit
-      its budget) and the GPU profiles build it only if the builder says it can
-      (libaio-dev present).
-    """
-    from labkit import dsops, profile
-
-    directory = nvme_dir or nvme_parent_dir()
-    fstype = filesystem_type(directory)
-    if fstype in RAM_FILESYSTEMS:
-        return False, (f"NVMe offload skipped: {directory} is on {fstype}, which lives in RAM, so offloading "
-                       f"there would time RAM copies, not a disk; set {NVME_DIR_ENV} to a folder on an NVMe "
-                       f"(or at least a real) disk")
-    builder = ranks_accelerator(backend).create_op_builder(dsops.ASYNC_IO_OP)
-    if builder is None:
-        return False, "NVMe offload skipped: the ranks' accelerator has no DeepSpeed async_io op"
-    ops_accelerator = dsops.accelerator_for(backend or profile().backend)
-    if dsops.op_is_built(dsops.ASYNC_IO_OP, ops_accelerator):
-        return True, f"async_io op is built; offload files go to {directory} ({fstype})"
-    if (profile_name or profile().name) == "ci":
-        return False, ("NVMe offload skipped in the ci profile: DeepSpeed's async_io op is not built, and "
-                       "it needs libaio-dev plus a 4-8 min build that does not fit the budget (run "
-                       "`python -m labkit.dsops AsyncIOBuilder` once to enable it)")
-    if not builder.is_compatible(verbose=False):
-        return False, ("NVMe offload skipped: DeepSpeed's async_io op cannot be built here "
-                       "(install libaio-dev, then run `python -m labkit.dsops AsyncIOBuilder`)")
-    return True, (f"async_io op will be built (once per environment, 4-8 min); offload files go to "
-                  f"{directory} ({fstype})")
-
-
 def measure(
     configs: Iterable[ProbeConfig] | None = None,
     *,
@@ -527,14 +317,14 @@ def measure(
         ops.append(dsops.CPU_ADAM_OP)
     nvme_dir = None
     if any("nvme" in (c.offload_optimizer, c.offload_param) for c in configs):
-        parent = nvme_parent_dir()
-        available, reason = nvme_available(prof.name, backend=backend, nvme_dir=parent)
+        parent = nvme_offload.nvme_parent_dir()
+        available, reason = nvme_offload.nvme_available(prof.name, backend=backend, nvme_dir=parent)
         if not available:
             raise ValueError(f"NVMe offload requested but unavailable: {reason}")
         ops.append(dsops.ASYNC_IO_OP)
     dsops.ensure_built(tuple(ops), accelerator=dsops.accelerator_for(backend))
     if dsops.ASYNC_IO_OP in ops:  # made after the build, so a failed build leaves no folder behind
-        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=nvme_parent_dir())
+        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=nvme_offload.nvme_parent_dir())
     try:
         per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,
                           configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)

@@ -52,8 +52,8 @@ class Sabotage:
 # `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB4_NO_NVME = """
     import dataclasses
-    from labkit import zero_probe
-    zero_probe.nvme_available = lambda *args, **kwargs: (False, "NVMe offload left out: the sabotage does not read it")
+    from labkit import nvme_offload, zero_probe
+    nvme_offload.nvme_available = lambda *args, **kwargs: (False, "NVMe offload left out: the sabotage does not read it")
     zero_probe.SIZES = {name: dataclasses.replace(size, steps=1) for name, size in zero_probe.SIZES.items()}
 """
 TRIM_LAB4_BASE_ONLY = TRIM_LAB4_NO_NVME + """

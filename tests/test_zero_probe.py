@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit import launcher, zero
+from labkit import dsops, launcher, nvme_offload, zero, zero_accounting
 from labkit import zero_probe as zp
 
 TINY = zp.ProbeSize(layers=8, width=32, batch=4, steps=1)
@@ -43,7 +43,7 @@ def test_bad_stage_and_ranks_are_refused_before_any_rank_starts(no_ranks):
 
 
 def _timed(config, rank, steps):
-    empty = dict.fromkeys(zp.ROLES, 0)
+    empty = dict.fromkeys(zero_accounting.ROLES, 0)
     return zp.RankMeasurement(config=config, rank=rank, dp_degree=2, num_params=1, dtype="bf16",
                               accelerator=empty, host=empty, optimizer_class="", step_ms=steps)
 
@@ -59,7 +59,7 @@ def test_offload_slowdown_is_the_slowest_ranks_best_step_over_the_same_stage():
 
 
 def test_nvme_offload_without_its_op_is_refused_with_the_reason(no_ranks):
-    available, reason = zp.nvme_available()
+    available, reason = nvme_offload.nvme_available()
     if available:
         pytest.skip("async_io is available here, so NVMe offload is allowed")
     assert "async_io" in reason
@@ -150,12 +150,12 @@ tmpfs /tmp tmpfs rw,nosuid,nodev 0 0
 
 
 def test_filesystem_type_is_the_innermost_mount_holding_the_path():
-    assert zp.filesystem_type("/tmp/labkit-nvme-1", MOUNTS) == "tmpfs"
-    assert zp.filesystem_type("/tmp/scratch/labkit-nvme-1", MOUNTS) == "ext4"
-    assert zp.filesystem_type("/tmp/scratchy", MOUNTS) == "tmpfs"
-    assert zp.filesystem_type("/home/me", MOUNTS) == "overlay"
-    assert zp.filesystem_type("/mnt/my disk/x", MOUNTS) == "xfs"
-    assert zp.filesystem_type("/anything", "") == "unknown"
+    assert nvme_offload.filesystem_type("/tmp/labkit-nvme-1", MOUNTS) == "tmpfs"
+    assert nvme_offload.filesystem_type("/tmp/scratch/labkit-nvme-1", MOUNTS) == "ext4"
+    assert nvme_offload.filesystem_type("/tmp/scratchy", MOUNTS) == "tmpfs"
+    assert nvme_offload.filesystem_type("/home/me", MOUNTS) == "overlay"
+    assert nvme_offload.filesystem_type("/mnt/my disk/x", MOUNTS) == "xfs"
+    assert nvme_offload.filesystem_type("/anything", "") == "unknown"
 
 
 class _NoOpsWanted:
@@ -169,13 +169,13 @@ class _NoOpsWanted:
 def test_nvme_offload_into_tmpfs_is_refused_before_any_op_is_looked_up_or_built(monkeypatch, tmp_path, no_ranks):
     from labkit import dsops
 
-    monkeypatch.setenv(zp.NVME_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(zp, "filesystem_type", lambda path, mounts_text=None: "tmpfs")
-    monkeypatch.setattr(zp, "ranks_accelerator", lambda backend=None: _NoOpsWanted())
+    monkeypatch.setenv(nvme_offload.NVME_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(nvme_offload, "filesystem_type", lambda path, mounts_text=None: "tmpfs")
+    monkeypatch.setattr(dsops, "ranks_accelerator", lambda backend=None: _NoOpsWanted())
     monkeypatch.setattr(dsops, "ensure_built", lambda *a, **kw: pytest.fail("started a build for tmpfs"))
-    available, reason = zp.nvme_available("gpu", backend="gloo")
+    available, reason = nvme_offload.nvme_available("gpu", backend="gloo")
     assert not available
-    assert "tmpfs" in reason and str(tmp_path) in reason and zp.NVME_DIR_ENV in reason
+    assert "tmpfs" in reason and str(tmp_path) in reason and nvme_offload.NVME_DIR_ENV in reason
     with pytest.raises(ValueError, match="NVMe offload requested but unavailable: .*tmpfs"):
         zp.measure([zp.NVME_CONFIG], size=TINY, dtype="bf16", backend="gloo")
 
@@ -186,6 +186,6 @@ def test_nvme_offload_asks_the_cpu_ranks_accelerator_for_its_op(monkeypatch, tmp
     from labkit import dsops
 
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _GpuWithoutBf16())
-    monkeypatch.setattr(zp, "filesystem_type", lambda path, mounts_text=None: "ext4")
+    monkeypatch.setattr(nvme_offload, "filesystem_type", lambda path, mounts_text=None: "ext4")
     monkeypatch.setattr(dsops, "op_is_built", lambda name, accelerator=None: accelerator == "cpu")
-    assert zp.nvme_available("gpu", backend="gloo", nvme_dir=str(tmp_path))[0]
+    assert nvme_offload.nvme_available("gpu", backend="gloo", nvme_dir=str(tmp_path))[0]
