@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from labkit import collective_bench, collectives, gradsync, gradsync_model, parallelism, profile
+from labkit import collective_bench, collectives, gradsync, gradsync_model, parallelism, profile, tensor_parallel
 from labkit.devices import describe_machine
 
 PARTS = ("counts", "gradsync", "tp")
@@ -78,7 +78,7 @@ def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed:
 
 
 def tensor_parallel(world_size: int) -> None:
-    result = parallelism.run_tensor_parallel(world_size)
+    result = tensor_parallel.run_tensor_parallel(world_size)
     print(f"\n== {world_size} ranks: tensor-parallel MLP, {result['layers']} layers")
     print(f"all_reduce {result['counts']['all_reduce']}, max output error {result['max_output_error']:.1e}")
 

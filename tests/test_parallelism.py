@@ -3,6 +3,7 @@
 import pytest
 
 from labkit import parallelism as p
+from labkit import tensor_parallel
 from labkit.collectives import LINKS, ring_bytes_per_rank
 
 MODEL = p.ModelShape(num_params=1_000_000_000, layers=24, hidden=2048, seq_len=1024, micro_batch=2)
@@ -11,7 +12,7 @@ CLUSTER = p.Cluster(nodes=4, gpus_per_node=8)
 
 @pytest.mark.slow
 def test_tensor_parallel_mlp_matches_the_full_layer_with_one_all_reduce_each_way():
-    result = p.run_tensor_parallel(2, sizes={"hidden": 64, "ffn": 256, "tokens": 16, "layers": 2})
+    result = tensor_parallel.run_tensor_parallel(2, sizes={"hidden": 64, "ffn": 256, "tokens": 16, "layers": 2})
     layers, n = result["layers"], result["world_size"]
     assert result["max_output_error"] < 1e-4
     assert result["max_input_grad_error"] < 1e-4
