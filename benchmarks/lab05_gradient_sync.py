@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from labkit import collective_bench, collectives, gradsync, gradsync_model, parallelism, profile, tensor_parallel
+from labkit import collective_bench, collectives, gradsync, gradsync_model, profile, tensor_parallel
 from labkit.devices import describe_machine
 
 PARTS = ("counts", "gradsync", "tp")
@@ -77,7 +77,7 @@ def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed:
         print(f"{name}: held {count}/{runs}")
 
 
-def tensor_parallel(world_size: int) -> None:
+def tensor_parallel_check(world_size: int) -> None:
     result = tensor_parallel.run_tensor_parallel(world_size)
     print(f"\n== {world_size} ranks: tensor-parallel MLP, {result['layers']} layers")
     print(f"all_reduce {result['counts']['all_reduce']}, max output error {result['max_output_error']:.1e}")
@@ -98,7 +98,7 @@ def main() -> None:
         if "gradsync" in args.parts:
             delayed_sync(world_size, args.runs, args.rates, not args.no_deepspeed)
         if "tp" in args.parts:
-            tensor_parallel(world_size)
+            tensor_parallel_check(world_size)
 
 
 if __name__ == "__main__":
