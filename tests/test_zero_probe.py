@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit import dsops, launcher, nvme_offload, zero, zero_accounting
+from labkit import launcher, nvme_offload, zero, zero_accounting
 from labkit import zero_probe as zp
 
 TINY = zp.ProbeSize(layers=8, width=32, batch=4, steps=1)
