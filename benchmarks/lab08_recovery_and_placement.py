@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import fabric, placement, placement_probe, profile, recovery, recovery_rank
+from labkit import fabric, fleet_model, placement, placement_probe, profile, recovery, recovery_rank
 from labkit.devices import describe_machine, load_average
 
 
@@ -39,8 +39,8 @@ def recovery_from_kills(work: Path, kills: int, warm_standby: bool, steps_betwee
 
 
 def simulator_speed() -> dict[str, float]:
-    fleet = placement.uniform_fleet(2, 5, 125, seed=0)
-    jobs = placement.generate_jobs(1000, seed=1)
+    fleet = fleet_model.uniform_fleet(2, 5, 125, seed=0)
+    jobs = fleet_model.generate_jobs(1000, seed=1)
     timings = {}
     for policy in placement.POLICIES:
         start = time.perf_counter()

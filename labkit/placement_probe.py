@@ -47,7 +47,7 @@ from labkit.collectives import Link, ring_bytes_per_rank
 from labkit.devices import load_average
 from labkit.launcher import launch, rank_info
 from labkit.netns import run
-from labkit.placement import DEFAULT_LINKS, SCOPES, Job, step_time_s
+from labkit.fleet_model import DEFAULT_LINKS, SCOPES, Job, step_time_s
 from labkit.topology import GBIT, Topology, link_bytes_model
 
 FABRIC = Topology(nodes=4, zones=2, inter_node_bytes_per_s=1 * GBIT, cross_zone_bytes_per_s=0.25 * GBIT)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from labkit import fabric
+from labkit import fleet_model
 from labkit import placement as pl
 from labkit import placement_probe as pp
 from labkit.collectives import collective_time_s
@@ -15,13 +16,13 @@ from labkit.topology import GBIT, Topology
 
 
 @pytest.fixture(scope="module")
-def fleet() -> pl.Fleet:
-    return pl.uniform_fleet(2, 4, 16, seed=1)
+def fleet() -> fleet_model.Fleet:
+    return fleet_model.uniform_fleet(2, 4, 16, seed=1)
 
 
 @pytest.fixture(scope="module")
-def jobs(fleet) -> list[pl.Job]:
-    return pl.generate_jobs(200, seed=3, mean_interarrival_s=240, sizes_gpus=(8, 16, 32, 64, 128))
+def jobs(fleet) -> list[fleet_model.Job]:
+    return fleet_model.generate_jobs(200, seed=3, mean_interarrival_s=240, sizes_gpus=(8, 16, 32, 64, 128))
 
 
 def test_fleet_shape_and_capacity(fleet):
@@ -33,10 +34,10 @@ def test_fleet_shape_and_capacity(fleet):
 
 def test_step_time_uses_the_slowest_link_crossed(jobs, fleet):
     job = next(j for j in jobs if j.profile == "comm-heavy" and j.gpus >= 16)
-    times = [pl.step_time_s(job, scope, fleet.links) for scope in pl.SCOPES]
+    times = [fleet_model.step_time_s(job, scope, fleet.links) for scope in fleet_model.SCOPES]
     assert times == sorted(times) and times[0] < times[-1]
     expected = job.compute_s_per_step + collective_time_s("all_reduce", job.gradient_bytes, job.gpus, fleet.links["zone"])
-    assert pl.step_time_s(job, "zone", fleet.links) == pytest.approx(expected)
+    assert fleet_model.step_time_s(job, "zone", fleet.links) == pytest.approx(expected)
 
 
 def test_zone_packing_never_spans_zones_and_first_fit_does(fleet, jobs):
@@ -71,8 +72,8 @@ def test_gpus_are_never_oversubscribed(fleet, jobs):
 
 
 def test_spares_held_back_recover_failures_faster():
-    fleet = pl.uniform_fleet(1, 2, 16, failures_per_node_hour=0.01, seed=2)
-    jobs = pl.generate_jobs(60, seed=5, mean_interarrival_s=3000, sizes_gpus=(8, 16, 32))
+    fleet = fleet_model.uniform_fleet(1, 2, 16, failures_per_node_hour=0.01, seed=2)
+    jobs = fleet_model.generate_jobs(60, seed=5, mean_interarrival_s=3000, sizes_gpus=(8, 16, 32))
     spares = pl.simulate(fleet, jobs, "with-spares-held-back", seed=1)
     zone = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=1)
     assert spares.failures.sum() > 0
@@ -86,12 +87,12 @@ def test_simulation_is_deterministic_given_a_seed(fleet, jobs):
     a = pl.simulate(fleet, jobs, "with-spares-held-back", seed=7)
     b = pl.simulate(fleet, jobs, "with-spares-held-back", seed=7)
     assert np.array_equal(a.finish_s, b.finish_s) and a.summary() == b.summary()
-    assert pl.generate_jobs(50, seed=1) == pl.generate_jobs(50, seed=1)
+    assert fleet_model.generate_jobs(50, seed=1) == fleet_model.generate_jobs(50, seed=1)
 
 
 def test_ten_thousand_gpus_and_a_thousand_jobs_in_five_seconds():
-    fleet = pl.uniform_fleet(2, 5, 125)
-    jobs = pl.generate_jobs(1000, seed=1)
+    fleet = fleet_model.uniform_fleet(2, 5, 125)
+    jobs = fleet_model.generate_jobs(1000, seed=1)
     assert fleet.gpus == 10_000
     start = time.perf_counter()
     result = pl.simulate(fleet, jobs, "pack-in-one-zone", seed=1)
@@ -102,16 +103,16 @@ def test_ten_thousand_gpus_and_a_thousand_jobs_in_five_seconds():
 
 def test_fleet_with_no_capacity_is_refused():
     with pytest.raises(ValueError, match="no capacity"):
-        pl.build_fleet([[0, 0], []])
+        fleet_model.build_fleet([[0, 0], []])
     with pytest.raises(ValueError, match="gpus_per_node must be >= 1"):
-        pl.uniform_fleet(1, 1, 4, gpus_per_node=0)
-    tiny = pl.uniform_fleet(1, 1, 2)
+        fleet_model.uniform_fleet(1, 1, 4, gpus_per_node=0)
+    tiny = fleet_model.uniform_fleet(1, 1, 2)
     with pytest.raises(ValueError, match="no capacity left"):
-        pl.simulate(tiny, pl.generate_jobs(3, sizes_gpus=(8,)), "with-spares-held-back", spare_nodes_per_cluster=2)
+        pl.simulate(tiny, fleet_model.generate_jobs(3, sizes_gpus=(8,)), "with-spares-held-back", spare_nodes_per_cluster=2)
 
 
 def test_job_larger_than_any_cluster_is_refused(fleet):
-    too_big = [pl.Job(0, 0.0, 1024, 10, 1.0, 1000)]
+    too_big = [fleet_model.Job(0, 0.0, 1024, 10, 1.0, 1000)]
     with pytest.raises(ValueError, match="job 0 needs 1024 GPUs but the largest cluster offers 512"):
         pl.simulate(fleet, too_big, "first-fit-anywhere")
 
@@ -120,9 +121,9 @@ def test_bad_policy_and_arguments_name_the_valid_range(fleet, jobs):
     with pytest.raises(ValueError, match="policy must be one of"):
         pl.simulate(fleet, jobs, "random")
     with pytest.raises(ValueError, match="n_jobs must be >= 1, got 0"):
-        pl.generate_jobs(0)
+        fleet_model.generate_jobs(0)
     with pytest.raises(ValueError, match=r"comm_heavy_fraction must be in \[0, 1\]"):
-        pl.generate_jobs(5, comm_heavy_fraction=2)
+        fleet_model.generate_jobs(5, comm_heavy_fraction=2)
 
 
 # Placement measured on a fabric: labkit.placement_probe
@@ -167,8 +168,8 @@ def test_measured_links_replace_the_zone_and_cluster_rates_and_name_the_assumed_
     assert links["cluster"].bandwidth_gbps == pytest.approx(runs[1].effective_gbps * pp.FABRIC_SCALE)
     assert "measured" in links["zone"].name and "measured" in links["cluster"].name
     assert "assumed" in links["node"].name and "assumed" in links["fleet"].name
-    fleet = pl.uniform_fleet(1, 2, 4, links=links)
-    assert pl.step_time_text(fleet.links, 64, 4.0, 0.3).count("\n") == len(pl.SCOPES) - 1
+    fleet = fleet_model.uniform_fleet(1, 2, 4, links=links)
+    assert fleet_model.step_time_text(fleet.links, 64, 4.0, 0.3).count("\n") == len(fleet_model.SCOPES) - 1
     with pytest.raises(ValueError, match="missing \\['cluster'\\]"):
         pp.fleet_links(runs[:1])
 
@@ -176,5 +177,5 @@ def test_measured_links_replace_the_zone_and_cluster_rates_and_name_the_assumed_
 def test_without_a_fabric_the_simulator_keeps_the_assumed_table_and_says_so():
     links = pp.fleet_links([])
     assert {scope: link.bandwidth_gbps for scope, link in links.items()} == {
-        scope: link.bandwidth_gbps for scope, link in pl.DEFAULT_LINKS.items()}
+        scope: link.bandwidth_gbps for scope, link in fleet_model.DEFAULT_LINKS.items()}
     assert all("assumed" in link.name for link in links.values())

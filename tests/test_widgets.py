@@ -7,7 +7,7 @@ import ipywidgets
 import matplotlib
 import pytest
 
-from labkit import interval, parallelism, placement, widgets, zero, zeropp
+from labkit import fleet_model, interval, parallelism, widgets, zero, zeropp
 from labkit.course import notebooks_dir
 
 matplotlib.use("Agg")
@@ -61,8 +61,8 @@ def test_every_lab_widget_renders_its_first_view(shown):
     parallelism.planner_widget()
     assert "cross-node per step" in zeropp.traffic_widget()()
     assert "sync" in interval.plan_widget({"sync": 2.0, "async": 0.1})()
-    links = {scope: LINKS["100 Gbps"] for scope in placement.SCOPES}
-    assert "s per step" in placement.step_time_widget(links)()
+    links = {scope: LINKS["100 Gbps"] for scope in fleet_model.SCOPES}
+    assert "s per step" in fleet_model.step_time_widget(links)()
     assert len(handles) >= 6
 
 
