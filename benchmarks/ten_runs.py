@@ -15,6 +15,7 @@ of all eight labs takes 5-6 minutes on a 2-core CPU box, so 10 runs take about a
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ def run_course(labs: list[Lab], runs: int, out: Path) -> dict[int, list[tuple[bo
         for lab in labs:
             result = run_lab(lab, out / f"run{index:02d}", profile=None)
             leftovers = left_behind()
-            problem = result.error.splitlines()[-1] if result.error else ""
+            problem = re.sub(r"\x1b\[[0-9;]*m", "", result.error.splitlines()[-1]) if result.error else ""
             problem += f" left behind: {leftovers}" if leftovers else ""
             outcomes[lab.number].append((result.passed and not leftovers, result.seconds, problem))
             print(f"run {index}/{runs} lab {lab.number} {lab.slug}: "
