@@ -181,7 +181,7 @@ def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
 def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
     run = tmp_path / "run"
     script = (
-        "from labkit import recovery as rc\n"
+        "from labkit import recovery as rc\nfrom labkit import recovery_rank as rr\n"
         f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rr.Fault('hang', 0, 6)], "
         f"heartbeat_timeout_s=600, **{TINY!r})\n"
     )
