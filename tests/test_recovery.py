@@ -185,14 +185,17 @@ def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
         f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rr.Fault('hang', 0, 6)], "
         f"heartbeat_timeout_s=600, **{TINY!r})\n"
     )
-    supervisor = subprocess.Popen([sys.executable, "-c", script])
+    supervisor_log = tmp_path / "supervisor.log"
+    with open(supervisor_log, "w") as out:
+        supervisor = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
     try:
         pids: list[int] = []
         deadline = time.time() + 240
-        while len(pids) < 2 and time.time() < deadline:
+        while len(pids) < 2 and time.time() < deadline and supervisor.poll() is None:
             time.sleep(0.5)
             pids = [json.loads(line)["pid"] for log in run.glob("attempt-000/rank*.jsonl")
                     for line in log.read_text().splitlines() if '"ready"' in line]
+        assert supervisor.poll() is None, f"the supervisor ended early:\n{supervisor_log.read_text()[-3000:]}"
         assert len(_alive(pids)) == 2, "both ranks started"
     finally:
         supervisor.kill()
