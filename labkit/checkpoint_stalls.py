@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from labkit import checkpoint
+from labkit import checkpoint, savers
 from labkit.devices import PeakRss
 from labkit.models import mlp, parameter_count
-from labkit import savers
-from labkit.savers import SAVERS
 
 
 SIZES = {
@@ -128,7 +126,7 @@ def train_with_checkpoints(
 ) -> TrainingRun:
     """Train ``steps`` steps, saving every ``save_every`` with ``kind`` in
     ``("none", "sync", "async")``, and record what each save cost training."""
-    if kind not in ("none", *SAVERS):
+    if kind not in ("none", *savers.SAVERS):
         raise ValueError(f"kind must be 'none', 'sync' or 'async', got {kind!r}")
     if steps < 1 or save_every < 1:
         raise ValueError(f"steps and save_every must be >= 1, got {steps}, {save_every}")
@@ -137,7 +135,7 @@ def train_with_checkpoints(
     device = torch.device(device)
     model, optimizer = make_model(state_mb, device=device)
     _train_step(model, optimizer, 0, device)
-    saver = SAVERS[kind](directory, keep=keep) if kind != "none" else None
+    saver = savers.SAVERS[kind](directory, keep=keep) if kind != "none" else None
     step_spans, blocked_spans, losses, saves = [], [], [], []
     iterator = range(1, steps + 1)
     if progress:
@@ -192,7 +190,7 @@ def resume_experiment(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r} needs a CUDA GPU and this machine has none; use device='cpu'")
     model, optimizer = make_model(state_mb, device=device, seed=0)
-    with SAVERS[kind](directory, keep=2) as saver:
+    with savers.SAVERS[kind](directory, keep=2) as saver:
         for step in range(1, save_at + 1):
             _train_step(model, optimizer, step, device)
         saver.save(save_at, checkpoint.capture_training_state(model, optimizer, loader_position=save_at))
@@ -248,7 +246,7 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
     _train_step(model, optimizer, position, "cpu")
     results: dict[str, Any] = {"rank": rank, "state_bytes": savers.state_bytes(_flat_rank_state(model, optimizer, rank))}
     for kind in ("sync", "async", "dcp_async"):
-        saver = SAVERS[kind](root / kind / f"rank{rank}", keep=2) if kind in SAVERS else None
+        saver = savers.SAVERS[kind](root / kind / f"rank{rank}", keep=2) if kind in savers.SAVERS else None
         blocked, waited, total, future, done_at = [], [], [], None, {}
         dist.barrier()
         for index in range(saves):

@@ -183,6 +183,7 @@ def train_rank(
     import torch.distributed as dist
 
     from labkit.checkpoint import capture_training_state, load_for_resume, restore_training_state
+    from labkit.launcher import rank_device
     from labkit.savers import AsyncSaver, SyncSaver
 
     if saver not in ("async", "sync"):
@@ -192,7 +193,7 @@ def train_rank(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     attempt = restart_count()
     log = EventLog(run_path / f"attempt-{attempt:03d}" / f"rank{rank}.jsonl")
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if dist.get_backend() == "nccl" else "cpu")
+    device = rank_device()
 
     torch.manual_seed(seed)
     model = make_model(features, hidden).to(device)

@@ -19,10 +19,8 @@ import base64
 import html
 import os
 import queue
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -154,21 +152,25 @@ def _execute_stoppably(client: _ProgressClient) -> str:
         worker.join(NBCLIENT_GRACE_S)
         _say("stopping: kernel gone" + ("" if not worker.is_alive() else
                                         f"; nbclient still waiting after {NBCLIENT_GRACE_S:g} s, left behind"))
-        remove_what_a_killed_kernel_left(kernel_pid)
         _forget_kernel(client)
         raise
     return outcome[0]
 
 
 def _forget_kernel(client: _ProgressClient) -> None:
-    """Remove a killed kernel's connection file, and nbclient's exit hook for it.
+    """Remove what a killed kernel left: its ranks' log folders, its connection file, nbclient's exit hook.
 
-    nbclient unregisters that hook only when its cleanup completes. After a stop
-    it may not have, and the hook then runs at interpreter exit, where destroying
-    the kernel's zmq context can block forever on sockets the abandoned thread
-    still holds (seen in the test suite: ``labkit run`` never exited after
-    SIGTERM). The kernel is dead; its connection file is all that is left.
+    The log folders carry the dead kernel's pid, so the launcher's own sweep of
+    dead launchers' folders takes them (namespaces of a fabric it had open are
+    its reaper's job, :func:`labkit.netns.start_reaper`). nbclient unregisters its
+    exit hook only when its cleanup completes. After a stop it may not have, and
+    the hook then runs at interpreter exit, where destroying the kernel's zmq
+    context can block forever on sockets the abandoned thread still holds (seen
+    in the test suite: ``labkit run`` never exited after SIGTERM).
     """
+    from labkit.launcher import remove_stale_log_dirs
+
+    remove_stale_log_dirs()
     atexit.unregister(client._cleanup_kernel)
     if client.km is not None:
         client.km.cleanup_connection_file()
@@ -182,19 +184,6 @@ NBCLIENT_GRACE_S = 5.0
 
 def _say(line: str) -> None:
     tqdm.write(f"labkit run: {line}", file=sys.stderr)
-
-
-def remove_what_a_killed_kernel_left(kernel_pid: int | None) -> None:
-    """Rank log folders of a kernel that was killed before it could remove them.
-
-    They carry the kernel's pid, and nobody reads them after a stop. (Namespaces
-    of a fabric the kernel had open are its reaper's job: :func:`labkit.netns.start_reaper`.)
-    """
-    from labkit import launcher
-
-    if kernel_pid is not None:
-        for folder in Path(tempfile.gettempdir()).glob(f"{launcher.LOG_DIR_PREFIX}{kernel_pid}-*"):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -> LabRun:
