@@ -53,6 +53,10 @@ class StandInAccelerator:
     def step(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         time.sleep(len(images) / self.images_per_s)
 
+    def stolen_ms(self) -> float:
+        """Nothing shares a sleep: 0."""
+        return 0.0
+
     @contextmanager
     def host_side(self) -> Iterator[None]:
         """One intra-op thread for the training loop: the loader workers hold the cores."""
@@ -83,6 +87,10 @@ class ModelStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
+
+    def stolen_ms(self) -> float:
+        """0: a GPU is not shared with the machine's other programs (a CPU step here is the aside's point)."""
+        return 0.0
 
     @contextmanager
     def host_side(self) -> Iterator[None]:
@@ -172,6 +180,7 @@ class CoreAccelerator:
         self._process.start()
         child.close()
         self._sent = 0
+        self._stolen_ms = 0.0
         self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
         self.width, self.images_per_s = self._receive(STARTUP_TIMEOUT_S, "starting up")
 
@@ -188,8 +197,21 @@ class CoreAccelerator:
             self._conn.send((self._sent, count))
         except OSError:
             self._died("running a step")
-        while self._receive(STEP_TIMEOUT_S, "running a step") != self._sent:
-            pass
+        while True:
+            sequence, self._stolen_ms = self._receive(STEP_TIMEOUT_S, "running a step")
+            if sequence == self._sent:
+                return
+
+    def stolen_ms(self) -> float:
+        """How long the last step's process waited for its own core while another program held it.
+
+        A GPU is not time-shared with the machine's other programs, but a core is:
+        a compile or a test run beside the lab makes a step take twice as long, and
+        the meter would count that as the accelerator being busy (a starved feed
+        then reads as a busy accelerator). The kernel counts the wait
+        (``schedstat``, :func:`run_queue_ms`), so the meter can leave it out.
+        """
+        return self._stolen_ms
 
     @contextmanager
     def host_side(self) -> Iterator[None]:
@@ -247,6 +269,27 @@ class CoreAccelerator:
         return value
 
 
+def run_queue_ms() -> float:
+    """Time this process's threads have been runnable but not running, in ms, since they started.
+
+    The second field of ``/proc/self/task/*/schedstat``: the kernel's count of how
+    long each thread waited on a run queue for a core. 0 where the kernel does
+    not keep it (not Linux, or schedstats compiled out), so nothing is subtracted.
+    """
+    total_ns = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                total_ns += int(stat.read().split()[1])
+        except (OSError, ValueError, IndexError):   # a thread that ended, or no schedstat
+            continue
+    return total_ns / 1e6
+
+
 def _serve(conn, images: torch.Tensor, labels: torch.Tensor, cores: list[int], images_per_s: float,
            parent_pid: int) -> None:
     """The accelerator process: pin, size the model on this core, then run steps on request."""
@@ -262,10 +305,13 @@ def _serve(conn, images: torch.Tensor, labels: torch.Tensor, cores: list[int], i
         model = ModelStep("cpu", width=width)
         measured_ms = min(time_ms(lambda: model.step(images, labels), warmup=1, repeats=2))
         conn.send(("ready", (width, len(images) / (measured_ms / 1e3))))
+        waited_ms = run_queue_ms()   # from here on: a request's wake-up wait counts too
         while (request := conn.recv()) is not None:
             sequence, count = request
             model.step(images[:count], labels[:count])
-            conn.send(("done", sequence))
+            now_ms = run_queue_ms()
+            conn.send(("done", (sequence, now_ms - waited_ms)))
+            waited_ms = now_ms
     except (EOFError, KeyboardInterrupt):
         pass
     except Exception as error:  # noqa: BLE001 -- reported to the host, which raises it

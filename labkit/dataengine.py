@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import daft
 import numpy as np
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from daft import DataType, col
 from daft.functions import image_to_tensor, resize
 
-from labkit.accelerator import accelerator_for
+from labkit.accelerator import Accelerator, accelerator_for
 from labkit.devices import cpu_ms_per_item, host_threads
 from labkit.meter import MeterSummary, StepMeter
 
@@ -59,10 +59,6 @@ class EngineSizes:
     latency_images: int
     runner_images: int
     stage_images: int
-
-
-class Accelerator(Protocol):
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None: ...
 
 
 SIZES = {
@@ -289,7 +285,7 @@ def measure_feed(
     meter = StepMeter(device)
     with host_threads(1 if device.type == "cpu" else None):
         for images, labels in meter.iterate(batches):
-            with meter.computing(len(images)):
+            with meter.computing(len(images), accelerator.stolen_ms):
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
                 if augment:

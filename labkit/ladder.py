@@ -113,7 +113,7 @@ def measure(batches: Iterable[loaders.Batch], accelerator: accel.Accelerator, *,
         for epoch in range(epochs):
             source = make_batches(epoch) if make_batches else batches
             for images, labels in meter.iterate(source):
-                with meter.computing(len(images)):
+                with meter.computing(len(images), accelerator.stolen_ms):
                     accelerator.step(images, labels)
     return meter.summary()
 

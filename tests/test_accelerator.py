@@ -138,3 +138,45 @@ def test_one_core_leaves_none_for_the_accelerator(monkeypatch):
 def test_closest_picks_the_width_nearer_the_target_by_ratio(pick_width):
     assert pick_width(36_000, closest=True) == 16     # 32k is 1.13x below, 64k 1.8x above
     assert pick_width(60_000, closest=True) == 8      # 64k is 1.07x above, 32k 1.9x below
+
+
+def _steps(accelerator, count: int, images, labels) -> tuple[float, float]:
+    """(wall ms, stolen ms) summed over ``count`` steps."""
+    wall = stolen = 0.0
+    for _ in range(count):
+        start = time.perf_counter()
+        accelerator.step(images, labels)
+        wall += (time.perf_counter() - start) * 1e3
+        stolen += accelerator.stolen_ms()
+    return wall, stolen
+
+
+def _burn(core: int) -> None:
+    os.sched_setaffinity(0, {core})
+    while True:
+        pass
+
+
+@needs_two_cores
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"),
+                    reason="the kernel keeps no run-queue times (schedstat) here")
+def test_time_another_program_holds_the_accelerators_core_is_measured_as_stolen():
+    """A program on the accelerator's core makes its steps longer; the kernel's count says by how much."""
+    import multiprocessing
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.zeros(64, dtype=torch.int64)
+    with accel.CoreAccelerator(images_per_s=4000, batch_size=64, image_px=32) as accelerator, \
+            accelerator.host_side():   # as in a lab: this process keeps off the accelerator's core
+        _steps(accelerator, 2, images, labels)
+        quiet_wall, quiet_stolen = _steps(accelerator, 10, images, labels)
+        burner = multiprocessing.get_context("fork").Process(target=_burn, args=(min(accelerator.cores),), daemon=True)
+        burner.start()
+        try:
+            busy_wall, busy_stolen = _steps(accelerator, 10, images, labels)
+        finally:
+            burner.kill()
+            burner.join()
+    assert quiet_stolen < 0.2 * quiet_wall, (quiet_stolen, quiet_wall)
+    assert busy_wall > 1.5 * quiet_wall, "a burner on its core slows the accelerator's steps"
+    assert busy_stolen > 0.3 * busy_wall, (busy_stolen, busy_wall)
+    assert 0.5 < (busy_wall - busy_stolen) / quiet_wall < 1.5, "less the stolen time, a step is a quiet step"

@@ -8,7 +8,7 @@ import torch
 
 from labkit import atomic, dsops, profiles
 from labkit.devices import Stopwatch, describe_machine, pick_device, time_ms
-from labkit.meter import StepMeter
+from labkit.meter import MeterSummary, StepMeter
 
 
 def test_profile_defaults_to_ci_without_a_gpu(monkeypatch):
@@ -75,6 +75,31 @@ def test_step_meter_splits_waiting_from_compute():
     assert 0.1 < summary.busy_fraction < 0.4
     assert summary.wait_ms >= 85 and summary.compute_ms >= 28
     assert summary.items_per_s < 30 / 0.12
+
+
+def test_stolen_time_is_left_out_when_the_batch_was_ready_and_is_waiting_when_it_was_not():
+    def steps(batches) -> MeterSummary:
+        meter = StepMeter(skip_first=0)
+        for batch in meter.iterate(batches):
+            with meter.computing(len(batch), stolen_ms=lambda: 15.0):
+                time.sleep(0.02)
+        return meter.summary()
+
+    def slow(count):
+        for _ in range(count):
+            time.sleep(0.03)
+            yield [0] * 10
+
+    ready = steps([[0] * 10] * 3)   # the accelerator sets the pace: stolen time is not the loader's
+    assert ready.stolen_ms == 45.0 and 12 <= ready.compute_ms < 30 and ready.wait_ms < 5
+    assert ready.busy_fraction > 0.8
+    behind = steps(slow(3))         # the loader is behind: it would have made the accelerator wait anyway
+    assert behind.stolen_ms == 45.0
+    assert behind.wait_ms >= 3 * 30 + 2 * 15, "stolen time before a late batch counts as waiting"
+    meter = StepMeter()
+    with meter.computing(1, stolen_ms=lambda: 1e6):
+        pass
+    assert meter.compute_ms[-1] == 0.0 and meter.stolen_ms[-1] < 1e6, "no more is stolen than the step took"
 
 
 def test_step_meter_without_steps_says_so():

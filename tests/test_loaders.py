@@ -202,7 +202,8 @@ def test_lab1_falls_back_to_the_stand_in_on_one_core(monkeypatch):
 
 def test_workers_hide_compute_behind_decoding_by_the_meters_arithmetic():
     def summary(images_per_s, compute_ms):
-        return MeterSummary(steps=10, items=1000, wait_ms=0, compute_ms=compute_ms, busy_fraction=0.5,
+        return MeterSummary(steps=10, items=1000, wait_ms=0, compute_ms=compute_ms, stolen_ms=0,
+                            busy_fraction=0.5,
                             items_per_s=images_per_s, step_ms=1, load_avg=0)
     # decode 1 ms + compute 0.5 ms per image in series; overlapped, 1 ms per image
     assert ladder.hidden_compute_fraction(summary(1000 / 1.5, 500), summary(1000, 500)) == pytest.approx(1.0)
