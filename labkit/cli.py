@@ -15,7 +15,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         labs = select(args.labs)
-        runs = run_labs(labs, Path(args.out), profile=args.profile)
+        runs = run_labs(labs, Path(args.out), profile=args.profile, learner=args.learner)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
@@ -27,6 +27,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"lab {run.lab.number} {run.lab.slug}: {'passed' if run.passed else 'FAILED'} ({run.seconds:.0f} s)")
     print(f"report: {Path(args.out) / 'report.md'} and report.html")
     return 0 if all(run.passed for run in runs) else 1
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from labkit import classroom
+
+    try:
+        reports = classroom.merge(args.reports)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "class.md").write_text(classroom.markdown_table(reports))
+        figure = classroom.plot(reports, out / "class.png")
+    except ValueError as exc:
+        print(f"labkit merge: {exc}", file=sys.stderr)
+        return 2
+    print(f"{len(reports)} learners: {out / 'class.md'} and {figure}")
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -70,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("labs", nargs="*", default=["all"], help="lab numbers or slugs, or 'all' (default)")
     run.add_argument("--profile", type=_profile_name, default=None, help=f"one of {PROFILE_NAMES}")
     run.add_argument("--out", default="runs/latest", help="folder for executed notebooks, figures, report")
+    run.add_argument("--learner", default=None, help="name in the report a teacher merges (default: host name)")
     run.set_defaults(func=_run)
+    merge = sub.add_parser("merge", help="merge learners' report.json files into one table and plot")
+    merge.add_argument("reports", nargs="+", help="report.json files written by `labkit run`")
+    merge.add_argument("--out", default="runs/class", help="folder for class.md and class.png")
+    merge.set_defaults(func=_merge)
     doctor = sub.add_parser("doctor", help="what this machine offers for the labs")
     doctor.set_defaults(func=_doctor)
     card = sub.add_parser("profile", help="a one-minute machine card and the bottleneck it suggests")

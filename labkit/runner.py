@@ -20,6 +20,7 @@ import html
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from tqdm.auto import tqdm
 
-from labkit import results
+from labkit import classroom, results
 from labkit.course import Lab, notebooks_dir
 from labkit.devices import describe_machine
 from labkit.processes import kill_group
@@ -230,7 +231,7 @@ def _save_images(nb, lab_dir: Path) -> list[Path]:
     return saved
 
 
-def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None) -> list[LabRun]:
+def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None, learner: str | None = None) -> list[LabRun]:
     """Run ``labs`` in order; on SIGTERM or SIGINT stop, report what finished, raise :class:`RunStopped`."""
     out = check_out_dir(out)
     runs: list[LabRun] = []
@@ -243,7 +244,7 @@ def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None) -> list[
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        write_report(runs, out)
+        write_report(runs, out, learner=learner)
     return runs
 
 
@@ -251,8 +252,12 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise RunStopped(signum)
 
 
-def write_report(runs: list[LabRun], out: Path) -> tuple[Path, Path]:
+def write_report(runs: list[LabRun], out: Path, *, learner: str | None = None) -> tuple[Path, Path]:
+    """report.md and report.html for a reader; report.json for a teacher's ``labkit merge``."""
     machine = describe_machine()
+    labs = [{"number": run.lab.number, "slug": run.lab.slug, "passed": run.passed, "seconds": round(run.seconds, 1),
+             "figures": [{"name": f.name, "value": f.value, "unit": f.unit} for f in run.figures]} for run in runs]
+    (out / "report.json").write_text(classroom.report_json(learner or socket.gethostname(), machine, labs))
     lines = ["# labkit course report", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), "",
              "| lab | result | time | key measured figures (this machine) | reported by the speaker (their workload) |",

@@ -84,3 +84,33 @@ def test_shell_waits_are_sliced_so_a_missed_wakeup_costs_one_slice(monkeypatch):
 
     with pytest.raises(queue.Empty):
         asyncio.run(runner._in_slices(never)(timeout=0.05))
+
+
+def test_a_teacher_merges_learners_reports_into_one_table_and_plot(tmp_path):
+    paths = []
+    for learner, busy, passed in (("ana", 0.31, True), ("ben", 0.82, False)):
+        figure = results.Figure(1, "busy fraction, file path", busy, "")
+        runs = [LabRun(LABS[0], passed, 40.0, figures=[figure]), LabRun(LABS[1], True, 50.0)]
+        folder = tmp_path / learner
+        folder.mkdir()
+        write_report(runs, folder, learner=learner)
+        paths.append(folder / "report.json")
+    assert cli.main(["merge", *map(str, paths), "--out", str(tmp_path / "class")]) == 0
+    table = (tmp_path / "class" / "class.md").read_text()
+    assert "| Lab 1: busy fraction, file path |" in table
+    assert "| ana |" in table and "| 2 of 2 | 0.31 |" in table and "| 1 of 2 | 0.82 |" in table
+    assert (tmp_path / "class" / "class.png").stat().st_size > 1000
+
+
+def test_merge_refuses_what_is_not_a_report_and_a_learner_twice(tmp_path, capsys):
+    from labkit import classroom
+
+    stray = tmp_path / "notes.json"
+    stray.write_text('{"a": 1}')
+    assert cli.main(["merge", str(stray), "--out", str(tmp_path / "class")]) == 2
+    assert "notes.json: not a labkit report" in capsys.readouterr().err
+    write_report([LabRun(LABS[0], True, 1.0)], tmp_path, learner="ana")
+    with pytest.raises(ValueError, match=r"learner\(s\) \['ana'\] appear in more than one report"):
+        classroom.merge([tmp_path / "report.json"] * 2)
+    with pytest.raises(ValueError, match="learner must name"):
+        classroom.report_json(" ", {}, [])
