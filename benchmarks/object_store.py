@@ -10,7 +10,9 @@
 Requests are counted from the server's log; server CPU is read from /proc. ``--first-byte-ms``
 is an EMULATED condition (the server waits before answering); everything printed is measured.
 
-    python benchmarks/object_store.py [--images 1000] [--first-byte-ms 10] [--workers 2]
+    python benchmarks/object_store.py [--images 1000] [--first-byte-ms 10] [--workers 2] [--target 3]
+
+Exit status 1 when Daft delivers under ``--target`` times the PIL DataLoader's images/s.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--client-threads", type=int, default=8)
     parser.add_argument("--capacity-requests", type=int, default=2000)
+    parser.add_argument("--target", type=float, default=3.0, help="Daft over PIL images/s to reach (exit 1 below)")
     args = parser.parse_args()
     print(describe_machine())
     ds = dataset.generate(args.images)
@@ -94,14 +97,18 @@ def main() -> int:
         urls = [store.url(path) for path in paths]
         pil = loaders.fetched_loader(HttpFetch(urls), labels, batch_size=args.batch_size, image_px=args.image_px,
                                      num_workers=args.workers, augment=False)
-        with Measured(store) as run:
-            images, _ = dataengine.drain(pil)
-        print(run.line(f"(a) PIL DataLoader, {args.workers} workers", images, "images"))
+        with Measured(store) as pil_run:
+            pil_images, _ = dataengine.drain(pil)
+        print(pil_run.line(f"(a) PIL DataLoader, {args.workers} workers", pil_images, "images"))
         frame = daft.from_pydict({"path": urls, "label": labels})
-        with Measured(store) as run:
-            images, _ = dataengine.drain(representations.file_batches(frame, args.image_px, args.batch_size))
-        print(run.line("(b) Daft download + decode + resize", images, "images"))
-    return 0
+        with Measured(store) as daft_run:
+            daft_images, _ = dataengine.drain(representations.file_batches(frame, args.image_px, args.batch_size))
+        print(daft_run.line("(b) Daft download + decode + resize", daft_images, "images"))
+    ratio = (daft_images / daft_run.seconds) / (pil_images / pil_run.seconds)
+    met = ratio >= args.target and pil_images == daft_images == len(paths)
+    print(f"Daft / PIL images/s: {ratio:.2f}x (target >= {args.target:g}x, both {len(paths)} images): "
+          f"{'met' if met else 'NOT met'}")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

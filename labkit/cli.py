@@ -73,6 +73,23 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """Everything a room of learners would otherwise wait for at once: the images and the ops."""
+    import time
+
+    from labkit import dataengine, dataset, dsops, ladder, profile
+
+    prof = profile(args.profile)
+    start = time.perf_counter()
+    for lab, sizes in (("Lab 1", prof.pick(ladder.SIZES)), ("Lab 2", prof.pick(dataengine.SIZES))):
+        generated = dataset.generate(sizes.num_images)
+        print(f"{lab}: {generated.num_images} images in {generated.root}")
+    print(f"images ready ({time.perf_counter() - start:.0f} s)")
+    for name, seconds in dsops.ensure_built(tuple(args.ops)).items():
+        print(f"{name}: ready ({seconds:.1f} s)")
+    return 0
+
+
 def _profile_name(value: str) -> str:
     if value not in PROFILE_NAMES:
         raise argparse.ArgumentTypeError(f"profile must be one of {PROFILE_NAMES}, got {value!r}")
@@ -99,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("--batch", type=int, default=256, help="samples per step per rank (default 256)")
     card.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (default 2)")
     card.set_defaults(func=_card)
+    prepare = sub.add_parser("prepare", help="generate the labs' images and build the ops before a workshop")
+    prepare.add_argument("--profile", type=_profile_name, default=None, help=f"one of {PROFILE_NAMES}")
+    prepare.add_argument("--ops", nargs="*", default=["ShareMemCommBuilder", "CPUAdamBuilder"])
+    prepare.set_defaults(func=_prepare)
     ops = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops into this environment")
     ops.add_argument("ops", nargs="*", default=["ShareMemCommBuilder", "CPUAdamBuilder"])
     ops.set_defaults(func=_ops)

@@ -114,3 +114,17 @@ def test_merge_refuses_what_is_not_a_report_and_a_learner_twice(tmp_path, capsys
         classroom.merge([tmp_path / "report.json"] * 2)
     with pytest.raises(ValueError, match="learner must name"):
         classroom.report_json(" ", {}, [])
+
+
+def test_prepare_generates_each_labs_images_before_the_workshop(data_root, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from labkit import dataengine, dsops, ladder
+
+    monkeypatch.setattr(ladder, "SIZES", {name: replace(s, num_images=40) for name, s in ladder.SIZES.items()})
+    monkeypatch.setattr(dataengine, "SIZES", {name: replace(s, num_images=30) for name, s in dataengine.SIZES.items()})
+    monkeypatch.setattr(dsops, "ensure_built", lambda ops: {op: 0.0 for op in ops})
+    assert cli.main(["prepare", "--profile", "ci", "--ops", "CPUAdamBuilder"]) == 0
+    out = capsys.readouterr().out
+    assert "Lab 1: 40 images" in out and "Lab 2: 30 images" in out and "CPUAdamBuilder: ready" in out
+    assert len(list(data_root.glob("*/**/*.jpg"))) == 40 + 30
