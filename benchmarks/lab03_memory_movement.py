@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from labkit import fusion, microbench, overlap, profile, roofline
+from labkit import fusion, microbench, overlap, profile, roofline_devices
 from labkit.devices import describe_machine, load_average, pick_device
 
 TARGET_FRACTION = 0.80
@@ -48,7 +48,7 @@ def main() -> int:
             failures.append(f"matmul {dtype}")
 
     if prof.on_gpu:
-        vendor = roofline.match_vendor_spec(torch.cuda.get_device_name(0))
+        vendor = roofline_devices.match_vendor_spec(torch.cuda.get_device_name(0))
         if vendor is None:
             print(f"no vendor row for {torch.cuda.get_device_name(0)}; skipping spec-sheet fractions")
         else:

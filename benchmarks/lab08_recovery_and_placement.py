@@ -23,14 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import fabric, fleet_model, placement, placement_probe, profile, recovery, recovery_rank
+from labkit import fabric, fault_plan, fleet_model, placement, placement_probe, profile, recovery, recovery_rank
 from labkit.devices import describe_machine, load_average
 
 
 def recovery_from_kills(work: Path, kills: int, warm_standby: bool, steps_between_kills: int) -> list[dict]:
     """Kills spaced so that a warm standby process has time to boot between them."""
-    size = {**profile().pick(recovery.SIZES), "steps": (kills + 1) * steps_between_kills}
-    plan = [recovery_rank.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
+    size = {**profile().pick(recovery.SIZES).train_kwargs(), "steps": (kills + 1) * steps_between_kills}
+    plan = [fault_plan.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
     report = recovery.supervise(work / f"kills-warm-{warm_standby}", world_size=2, spares=kills, faults=plan,
                                 warm_standby=warm_standby, **size)
     rows = report.detection_table()

@@ -10,6 +10,7 @@ the bytes the counter saw can be checked against the ring model
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,13 +18,26 @@ import torch.distributed as dist
 
 from labkit.collectives import LINKS, OPS, CommCounter, bus_bandwidth_factor, check_op, counting_wrappers_removed
 from labkit.launcher import rank_device
-from labkit.profiles import profile
+from labkit.profiles import profile, require_at_least
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    """Message sizes to time each collective at, and timed calls per size."""
+
+    message_bytes: tuple[int, ...]
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if not self.message_bytes or min(self.message_bytes) < 1:
+            raise ValueError(f"BenchSizes.message_bytes must be one or more sizes >= 1, got {self.message_bytes}")
+        require_at_least(self, 1, "repeats")
 
 
 SIZES = {
-    "ci": {"message_bytes": [2**12, 2**16, 2**20, 2**22], "repeats": 5},
-    "gpu": {"message_bytes": [2**12, 2**16, 2**20, 2**22, 2**24], "repeats": 10},
-    "multi-gpu": {"message_bytes": [2**12, 2**16, 2**20, 2**24, 2**26, 2**28], "repeats": 20},
+    "ci": BenchSizes(message_bytes=(2**12, 2**16, 2**20, 2**22), repeats=5),
+    "gpu": BenchSizes(message_bytes=(2**12, 2**16, 2**20, 2**22, 2**24), repeats=10),
+    "multi-gpu": BenchSizes(message_bytes=(2**12, 2**16, 2**20, 2**24, 2**26, 2**28), repeats=20),
 }
 
 BENCHMARK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -67,8 +81,8 @@ def benchmark_rank(
     from labkit.devices import synchronize
 
     sizes = profile().pick(SIZES)
-    message_bytes = list(message_bytes or sizes["message_bytes"])
-    repeats = repeats or sizes["repeats"]
+    message_bytes = list(message_bytes or sizes.message_bytes)
+    repeats = repeats or sizes.repeats
     device = rank_device()
     world_size = dist.get_world_size()
     rows = []

@@ -30,13 +30,15 @@ import torch
 from labkit import roofline
 from labkit.devices import interleaved_best_ms, time_ms
 from labkit.microbench import torch_dtype
-from labkit.profiles import profile
+from labkit.profiles import profile, require_at_least
 
 TILE_BYTES = 2**20
 """Tile size for the hand-fused form: small enough that each tile's temporary stays in the on-chip caches."""
 
 AGREEMENT_FACTOR = 2.0
 """"Roughly the ratio": measured speedup within this factor of the predicted byte ratio."""
+
+METHODS = ("tiled", "compile")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class FusionSizes:
     method: str
     repeats: int
 
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "rows", "hidden", "repeats")
+        if self.method not in METHODS:
+            raise ValueError(f"FusionSizes.method must be one of {METHODS}, got {self.method!r}")
+
 
 SIZES = {
     "ci": FusionSizes(rows=8192, hidden=4096, dtype="float32", method="compile", repeats=9),
@@ -54,8 +61,6 @@ SIZES = {
 }
 SIZES["multi-gpu"] = SIZES["gpu"]
 """Tensors of 128 MiB (ci) and more: a chain on tensors that fit the last-level cache would not be memory-bound."""
-
-METHODS = ("tiled", "compile")
 
 
 def compiler_missing(device: torch.device | str) -> str | None:

@@ -36,14 +36,39 @@ from labkit.collectives import CommCounter, Link, register_counting_hook
 from labkit.gradsync_model import (MODES, UNSHAPED_GBIT, add_predictions, check_accumulation, ms_per_sample,
                                    two_node_topology)
 from labkit.models import mlp
+from labkit.profiles import require_at_least
 from labkit.topology import gbit_to_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSyncSizes:
+    """A ``layers``-deep MLP of width ``hidden``, trained ``optimizer_steps`` times (after ``warmup_steps``)
+    on windows of ``accumulation`` micro-batches of ``micro_batch`` samples."""
+
+    hidden: int
+    layers: int
+    micro_batch: int
+    accumulation: int
+    optimizer_steps: int
+    warmup_steps: int
+
+    def __post_init__(self) -> None:
+        check_accumulation(self.accumulation)
+        require_at_least(self, 1, "hidden", "layers", "micro_batch", "optimizer_steps")
+        require_at_least(self, 0, "warmup_steps")
+
+    def batches(self, rank: int, step: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One accumulation window of this rank's data for ``step`` (:func:`micro_batches`)."""
+        return micro_batches(rank, step, self.accumulation, self.micro_batch, self.hidden, device)
+
 
 SIZES = {
     # 4.2 MB of fp32 gradients: one all-reduce between 2 nodes sends 4.2 MB each way,
     # ~340 ms at 0.1 Gbit/s, so syncing every micro-step for 4 steps costs ~11 s there.
-    "ci": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 3, "warmup_steps": 1},
-    "gpu": {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 8, "optimizer_steps": 3, "warmup_steps": 1},
-    "multi-gpu": {"hidden": 1024, "layers": 4, "micro_batch": 8, "accumulation": 16, "optimizer_steps": 4, "warmup_steps": 1},
+    "ci": GradSyncSizes(hidden=512, layers=4, micro_batch=4, accumulation=8, optimizer_steps=3, warmup_steps=1),
+    "gpu": GradSyncSizes(hidden=512, layers=4, micro_batch=4, accumulation=8, optimizer_steps=3, warmup_steps=1),
+    "multi-gpu": GradSyncSizes(hidden=1024, layers=4, micro_batch=8, accumulation=16, optimizer_steps=4,
+                               warmup_steps=1),
 }
 
 RATES_GBIT = (0.1, 0.5, 4.0, UNSHAPED_GBIT)
@@ -226,17 +251,10 @@ def train_rank(
     started = time.perf_counter()
     device = rank_device()
     rank, world_size = info.rank, info.world_size
-    check_accumulation(accumulation)
+    sizes = GradSyncSizes(hidden, layers, micro_batch, accumulation, optimizer_steps, warmup_steps)
     result: dict[str, Any] = {"rank": rank, "world_size": world_size}
-
     if rank == 0:
-        model = make_model(hidden, layers).to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        step_s, _ = _time_steps(
-            lambda i: _local_step(model, optimizer, micro_batches(0, i, accumulation, micro_batch, hidden, device)),
-            warmup_steps, optimizer_steps, device,
-        )
-        result["single_device"] = {"step_s": step_s, "ms_per_sample": ms_per_sample(step_s, 1, accumulation, micro_batch)}
+        result["single_device"] = _single_device(sizes, device)
     dist.barrier()
 
     model = make_model(hidden, layers).to(device)
@@ -252,50 +270,68 @@ def train_rank(
             set_link_rate(links, rate_gbit)
         counter.link = None if links is not None else emulated_link(rate_gbit)
         for mode in MODES:
-            step_fn = STEP_FNS[mode]
-            bytes_before: list[tuple[int, int]] = []
-
-            def measure_start() -> None:
-                counter.reset()
-                dist.barrier()
-                bytes_before.append(_uplink_bytes())
-
-            dist.barrier()
-            step_s, losses = _time_steps(
-                lambda i: step_fn(ddp, optimizer, micro_batches(rank, i, accumulation, micro_batch, hidden, device)),
-                warmup_steps, optimizer_steps, device, on_measure_start=measure_start,
-            )
-            # A collective returns while its last bytes may still sit in a socket buffer; the barrier's
-            # message follows them on the same connection, so after it every byte has crossed the link.
-            dist.barrier()
-            tx_bytes, wire_bytes = (after - before for after, before in zip(_uplink_bytes(), bytes_before[0]))
-            slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            step_s = slowest.item()
-            counts = counter.counts["all_reduce"]
-            rows.append({
-                "rate_gbit": rate_gbit,
-                "mode": mode,
-                "accumulation": accumulation,
-                "step_s": step_s,
-                "ms_per_sample": ms_per_sample(step_s, world_size, accumulation, micro_batch),
-                "all_reduce_calls_per_step": counts.calls / optimizer_steps,
-                "all_reduce_bytes_per_step": counts.message_bytes / optimizer_steps,
-                "ring_bytes_per_step": counts.ring_bytes / optimizer_steps,
-                "tx_bytes_per_step": tx_bytes / optimizer_steps,
-                "wire_bytes_per_step": wire_bytes / optimizer_steps,
-                "emulated_s_per_step": counter.emulated_s / optimizer_steps,
-                "final_loss": losses[-1],
-            })
+            rows.append({"rate_gbit": rate_gbit, "mode": mode, "accumulation": accumulation,
+                         **_measure_mode(STEP_FNS[mode], ddp, optimizer, counter, sizes, device, rank, world_size)})
     result["rows"] = rows
     result["ddp_wall_s"] = time.perf_counter() - started
     if deepspeed_stages:
+        from labkit.gradsync_deepspeed import deepspeed_counts
+
         if links is not None and rank == 0:
             set_link_rate(links, max(rates_gbit))
         dist.barrier()
-        result["deepspeed"] = _deepspeed_counts(deepspeed_stages, deepspeed_accumulation, hidden, layers, micro_batch)
+        result["deepspeed"] = deepspeed_counts(deepspeed_stages, deepspeed_accumulation, hidden, layers, micro_batch)
     result["wall_s"] = time.perf_counter() - started
     return result
+
+
+def _single_device(sizes: GradSyncSizes, device: torch.device) -> dict[str, float]:
+    """Rank 0 alone, no communication: the step time data parallelism is measured against."""
+    model = make_model(sizes.hidden, sizes.layers).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step_s, _ = _time_steps(lambda i: _local_step(model, optimizer, sizes.batches(0, i, device)),
+                            sizes.warmup_steps, sizes.optimizer_steps, device)
+    return {"step_s": step_s, "ms_per_sample": ms_per_sample(step_s, 1, sizes.accumulation, sizes.micro_batch)}
+
+
+def _measure_mode(step_fn: Callable[..., float], ddp: nn.Module, optimizer: torch.optim.Optimizer,
+                  counter: CommCounter, sizes: GradSyncSizes, device: torch.device, rank: int,
+                  world_size: int) -> dict[str, float]:
+    """Time one sync mode at the current link rate; the slowest rank's step time, and per-step byte counts.
+
+    The counter and the uplink's kernel counters are read from the first measured
+    step on, so warm-up traffic is not counted.
+    """
+    bytes_before: list[tuple[int, int]] = []
+
+    def measure_start() -> None:
+        counter.reset()
+        dist.barrier()
+        bytes_before.append(_uplink_bytes())
+
+    dist.barrier()
+    step_s, losses = _time_steps(lambda i: step_fn(ddp, optimizer, sizes.batches(rank, i, device)),
+                                 sizes.warmup_steps, sizes.optimizer_steps, device, on_measure_start=measure_start)
+    # A collective returns while its last bytes may still sit in a socket buffer; the barrier's
+    # message follows them on the same connection, so after it every byte has crossed the link.
+    dist.barrier()
+    tx_bytes, wire_bytes = (after - before for after, before in zip(_uplink_bytes(), bytes_before[0]))
+    slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step_s = slowest.item()
+    counts = counter.counts["all_reduce"]
+    steps = sizes.optimizer_steps
+    return {
+        "step_s": step_s,
+        "ms_per_sample": ms_per_sample(step_s, world_size, sizes.accumulation, sizes.micro_batch),
+        "all_reduce_calls_per_step": counts.calls / steps,
+        "all_reduce_bytes_per_step": counts.message_bytes / steps,
+        "ring_bytes_per_step": counts.ring_bytes / steps,
+        "tx_bytes_per_step": tx_bytes / steps,
+        "wire_bytes_per_step": wire_bytes / steps,
+        "emulated_s_per_step": counter.emulated_s / steps,
+        "final_loss": losses[-1],
+    }
 
 
 def _update_difference(ddp: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence) -> float:
@@ -314,83 +350,12 @@ def _update_difference(ddp: nn.Module, optimizer: torch.optim.Optimizer, batches
     return diff
 
 
-def deepspeed_config(stage: int, accumulation: int, micro_batch: int) -> dict[str, Any]:
-    """A small-model DeepSpeed config: fp32 (fp16 is refused on CPUs), torch Adam, small buckets."""
-    check_accumulation(accumulation)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": accumulation,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 2**24,
-            "allgather_bucket_size": 2**24,
-            "stage3_prefetch_bucket_size": 2**20,
-            "stage3_param_persistence_threshold": 0,
-        },
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-
-
-def _deepspeed_counts(
-    stages: Sequence[int], accumulation: int, hidden: int, layers: int, micro_batch: int
-) -> list[dict[str, Any]]:
-    """Count the collectives DeepSpeed issues per micro-step and per optimizer step, stage by stage.
-
-    The counter is active before ``deepspeed.init_distributed``: DeepSpeed's comm
-    backend binds ``torch.distributed.all_gather_into_tensor`` (and the
-    reduce-scatter) once, when it is created, so a counter started later never
-    sees stages 1-2's all-gather of the updated parameters. DeepSpeed creates that
-    backend once per process, so one counter serves every stage.
-    """
-    import deepspeed
-
-    with CommCounter() as counter:
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        return [_deepspeed_stage_counts(counter, stage, accumulation, hidden, layers, micro_batch) for stage in stages]
-
-
-def _deepspeed_stage_counts(
-    counter: CommCounter, stage: int, accumulation: int, hidden: int, layers: int, micro_batch: int
-) -> dict[str, Any]:
-    import deepspeed
-
-    model = make_model(hidden, layers)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=deepspeed_config(stage, accumulation, micro_batch)
-    )
-    rank = dist.get_rank()
-    per_micro_step: list[dict[str, int]] = []
-    for step in range(2):
-        if step == 1:
-            counter.reset()
-        for x, y in micro_batches(rank, step, accumulation, micro_batch, hidden, engine.device):
-            before = {op: c.calls for op, c in counter.counts.items()}
-            engine.backward(nn.functional.mse_loss(engine(x), y))
-            engine.step()
-            if step == 1:
-                per_micro_step.append({op: c.calls - before[op] for op, c in counter.counts.items() if c.calls - before[op]})
-    del engine
-    return {
-        "stage": stage,
-        "accumulation": accumulation,
-        "parameter_bytes": param_bytes(model),
-        "calls_per_optimizer_step": {op: c.calls for op, c in counter.counts.items() if c.calls},
-        "message_bytes_per_optimizer_step": {op: c.message_bytes for op, c in counter.counts.items() if c.calls},
-        "ring_bytes_per_optimizer_step": {op: c.ring_bytes for op, c in counter.counts.items() if c.calls},
-        "calls_per_micro_step": per_micro_step,
-    }
-
-
 def run_experiment(
     world_size: int = 2,
     rates_gbit: Sequence[float] = RATES_GBIT,
     deepspeed_stages: Sequence[int] = (1, 2),
     deepspeed_accumulation: int = 4,
-    sizes: dict[str, Any] | None = None,
+    sizes: GradSyncSizes | None = None,
     timeout_s: float = 300.0,
     mode: LinkMode | None = None,
 ) -> dict[str, Any]:
@@ -411,17 +376,18 @@ def run_experiment(
     if not rates or not all(rate > 0 for rate in rates):
         raise ValueError(f"rates_gbit must be one or more rates > 0 in Gbit/s, got {rates_gbit!r}")
     check_accumulation(deepspeed_accumulation)
+    from labkit.gradsync_deepspeed import deepspeed_config
+
     prof = profile()
     backend = prof.backend_for(world_size)
-    chosen = dict(sizes or prof.pick(SIZES))
-    check_accumulation(chosen["accumulation"])
+    chosen = sizes or prof.pick(SIZES)
     for stage in deepspeed_stages:
-        deepspeed_config(stage, deepspeed_accumulation, chosen["micro_batch"])
+        deepspeed_config(stage, deepspeed_accumulation, chosen.micro_batch)
     if deepspeed_stages:
         dsops.ensure_built(accelerator=dsops.accelerator_for(backend))
     mode = mode or link_mode(backend)
     kwargs = dict(rates_gbit=rates, deepspeed_stages=tuple(deepspeed_stages),
-                  deepspeed_accumulation=deepspeed_accumulation, **chosen)
+                  deepspeed_accumulation=deepspeed_accumulation, **dataclasses.asdict(chosen))
     if mode.mode == "namespaces":
         from labkit import fabric
 

@@ -93,7 +93,7 @@ def add_predictions(result: dict[str, Any]) -> dict[str, Any]:
     the shapers sent against the ring bytes the counter saw. Without shapers it
     is ``None`` and the model uses 1.0.
     """
-    n, micro_batch = result["world_size"], result["sizes"]["micro_batch"]
+    n, micro_batch = result["world_size"], result["sizes"].micro_batch
     rows = result["rows"]
     wire = sum(sum(row["wire_bytes_per_step_by_rank"]) for row in rows)
     payload = sum(n * row["ring_bytes_per_step"] for row in rows)

@@ -227,13 +227,7 @@ def launch(
     :class:`labkit.fabric.Fabric`, rank r runs on its topology's node for r, so
     traffic between nodes crosses the fabric's shaped links.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if fabric is not None and fabric.topology.world_size != world_size:
-        raise ValueError(f"world_size must equal the fabric's {fabric.topology.world_size} rank slots, got {world_size}")
-    check_backend(backend)
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    _check_launch(world_size, backend, timeout_s, fabric)
     ref = _function_ref(fn)
     dsops.use_environment_extensions_dir()
     port = free_port()
@@ -244,27 +238,8 @@ def launch(
     keep_logs = False
     try:
         for rank in range(world_size):
-            rank_env = {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "LABKIT_BACKEND": backend,
-                "LABKIT_TIMEOUT_S": str(timeout_s),
-                **(fabric.rank_env(rank) if fabric is not None else {}),
-                **(env or {}),
-            }
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            log_path = log_dir / f"rank{rank}.log"
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(ref, rank, rank_env, kwargs, init_process_group, str(log_path), child_conn),
-                name=f"labkit-rank{rank}",
-            )
-            proc.start()
-            child_conn.close()
+            rank_env = _rank_env(rank, world_size, port, backend, timeout_s, fabric, env)
+            proc, parent_conn, log_path = _start_rank(ctx, ref, rank, rank_env, kwargs, init_process_group, log_dir)
             procs.append(proc)
             conns.append(parent_conn)
             logs.append(log_path)
@@ -274,15 +249,71 @@ def launch(
         exc.args = (f"{exc.args[0]}\n(every rank's full output is kept in {log_dir})",)
         raise
     finally:
-        for proc in procs:
-            # a rank that already exited and was reaped may have left children in its group
-            kill_group(proc.pid) if proc.exitcode is None else killpg(proc.pid, signal.SIGKILL)
-            proc.join(timeout=1)
-        for conn in conns:
-            conn.close()
+        _stop_ranks(procs, conns)
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
     return results
+
+
+def _check_launch(world_size: int, backend: str, timeout_s: float, fabric: Any) -> None:
+    """Refuse a bad launch before any process starts, so the error names the argument, not a hung rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if fabric is not None and fabric.topology.world_size != world_size:
+        raise ValueError(f"world_size must equal the fabric's {fabric.topology.world_size} rank slots, got {world_size}")
+    check_backend(backend)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+
+
+def _rank_env(
+    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fabric: Any, env: dict[str, str] | None
+) -> dict[str, str]:
+    """The variables ``torch.distributed`` reads (the ones ``torchrun`` would set), plus the fabric's and the caller's."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "LABKIT_BACKEND": backend,
+        "LABKIT_TIMEOUT_S": str(timeout_s),
+        **(fabric.rank_env(rank) if fabric is not None else {}),
+        **(env or {}),
+    }
+
+
+def _start_rank(
+    ctx: Any,
+    ref: str,
+    rank: int,
+    rank_env: dict[str, str],
+    kwargs: dict[str, Any],
+    init_process_group: bool,
+    log_dir: Path,
+) -> tuple[mp.process.BaseProcess, Connection, Path]:
+    """Spawn one rank with a one-way pipe for its result; the parent closes the child's end so EOF means it died."""
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    log_path = log_dir / f"rank{rank}.log"
+    proc = ctx.Process(
+        target=_rank_main,
+        args=(ref, rank, rank_env, kwargs, init_process_group, str(log_path), child_conn),
+        name=f"labkit-rank{rank}",
+    )
+    proc.start()
+    child_conn.close()
+    return proc, parent_conn, log_path
+
+
+def _stop_ranks(procs: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
+    """Kill every rank's process group, finished or not, so no grandchild outlives the launch."""
+    for proc in procs:
+        # a rank that already exited and was reaped may have left children in its group
+        kill_group(proc.pid) if proc.exitcode is None else killpg(proc.pid, signal.SIGKILL)
+        proc.join(timeout=1)
+    for conn in conns:
+        conn.close()
 
 
 def _collect(

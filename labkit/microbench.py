@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from labkit import roofline
+from labkit import roofline, roofline_devices
 from labkit.devices import time_ms
-from labkit.profiles import profile
+from labkit.profiles import profile, require_at_least
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -48,6 +48,12 @@ class MicrobenchSizes:
     repeats: int
     intensity_elements: int = 8 * 2**20
     intensity_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "bandwidth_numel", "op_numel_rows", "op_numel_cols", "repeats", "intensity_elements")
+        if min(self.matmul_sweep, default=0) < 1 or min(self.matmul_n.values(), default=0) < 1:
+            raise ValueError("MicrobenchSizes.matmul_sweep and matmul_n must hold sizes >= 1, "
+                             f"got {self.matmul_sweep} and {self.matmul_n}")
 
 
 SIZES = {
@@ -168,8 +174,8 @@ class DevicePeaks:
     def ridge(self, dtype: str) -> float:
         return roofline.ridge_point(self.matmul_flops_per_s[roofline.dtype_name(dtype)], self.bandwidth_bytes_per_s)
 
-    def as_spec(self, name: str = "this device (measured)") -> roofline.DeviceSpec:
-        return roofline.measured_spec(name, self.matmul_flops_per_s, self.bandwidth_bytes_per_s)
+    def as_spec(self, name: str = "this device (measured)") -> roofline_devices.DeviceSpec:
+        return roofline_devices.measured_spec(name, self.matmul_flops_per_s, self.bandwidth_bytes_per_s)
 
 
 def measure_peaks(device: torch.device | str | None = None, chosen: MicrobenchSizes | None = None) -> DevicePeaks:

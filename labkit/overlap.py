@@ -31,7 +31,7 @@ import torch
 
 from labkit.devices import synchronize
 from labkit.plots import BASELINE, FIX
-from labkit.profiles import profile
+from labkit.profiles import profile, require_at_least
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class OverlapSizes:
     compute_width: int
     repeats: int
     link_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "batches", "batch_rows", "features", "compute_width", "repeats")
+        if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
+            raise ValueError(f"OverlapSizes.link_bytes_per_s must be > 0 or None, got {self.link_bytes_per_s}")
 
 
 SIZES = {
@@ -73,21 +78,12 @@ class PipelineRun:
 
 def make_workload(device: torch.device | str, sizes: OverlapSizes) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Host batches (pinned when the target is a GPU) and a weight on the device."""
-    _check(sizes)
     device = torch.device(device)
     pin = device.type == "cuda"
     batches = [torch.randn(sizes.batch_rows, sizes.features).pin_memory() if pin
                else torch.randn(sizes.batch_rows, sizes.features) for _ in range(sizes.batches)]
     weight = torch.randn(sizes.features, sizes.compute_width, device=device) / sizes.features**0.5
     return batches, weight
-
-
-def _check(sizes: OverlapSizes) -> None:
-    for name in ("batches", "batch_rows", "features", "compute_width", "repeats"):
-        if getattr(sizes, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(sizes, name)}")
-    if sizes.link_bytes_per_s is not None and sizes.link_bytes_per_s <= 0:
-        raise ValueError(f"link_bytes_per_s must be > 0 or None, got {sizes.link_bytes_per_s}")
 
 
 def link_copy(dst: torch.Tensor, src: torch.Tensor, link_bytes_per_s: float | None) -> None:

@@ -192,12 +192,7 @@ def plan(model: ModelShape, cluster: Cluster, layout: Layout, device_tflops: flo
     dp, tp, pp, acc = layout.dp, layout.tp, layout.pp, layout.accumulation
     shard_params = -(-model.num_params // (tp * pp))
     grad_bytes = shard_params * model.bytes_per_value
-    gpn = cluster.gpus_per_node
-    link_of = {
-        "tp": cluster.inter_node if tp > gpn else cluster.intra_node,
-        "dp": cluster.inter_node if group_crosses_nodes(tp, dp, gpn, cluster.devices) else cluster.intra_node,
-        "pp": cluster.inter_node if group_crosses_nodes(tp * dp, pp, gpn, cluster.devices) else cluster.intra_node,
-    }
+    link_of = _group_links(cluster, layout)
     volume: dict[str, int] = {}
     seconds: dict[str, float] = {}
 
@@ -206,18 +201,8 @@ def plan(model: ModelShape, cluster: Cluster, layout: Layout, device_tflops: flo
         seconds[kind] = seconds.get(kind, 0.0) + times * collective_time_s(op, message_bytes, world, link_of[kind])
 
     if dp > 1:
-        stage = layout.zero_stage
-        if stage == 0:
-            add("dp", "all_reduce", grad_bytes, dp, 1)
-        elif stage == 1:
-            add("dp", "reduce_scatter", grad_bytes, dp, 1)
-            add("dp", "all_gather", grad_bytes, dp, 1)
-        elif stage == 2:
-            add("dp", "reduce_scatter", grad_bytes, dp, acc)
-            add("dp", "all_gather", grad_bytes, dp, 1)
-        else:
-            add("dp", "reduce_scatter", grad_bytes, dp, acc)
-            add("dp", "all_gather", grad_bytes, dp, 2 * acc)
+        for op, times in _dp_collectives(layout.zero_stage, acc):
+            add("dp", op, grad_bytes, dp, times)
     if tp > 1:
         per_layer = tp_all_reduces_per_layer(transformer=True)
         add("tp", "all_reduce", model.activation_bytes, tp, acc * per_layer * (model.layers // pp))
@@ -236,6 +221,35 @@ def plan(model: ModelShape, cluster: Cluster, layout: Layout, device_tflops: flo
         compute_s=6 * model.num_params * acc * model.micro_batch * model.seq_len / (tp * pp * device_tflops * 1e12),
         samples_per_step=dp * acc * model.micro_batch,
     )
+
+
+def _group_links(cluster: Cluster, layout: Layout) -> dict[str, Link]:
+    """The link each parallel group crosses: the slow inter-node one as soon as the group spans two nodes.
+
+    TP ranks are adjacent, then DP, then PP (Megatron's order), so a group crosses
+    nodes when its stride times its size leaves one node.
+    """
+    tp, dp, pp, gpn = layout.tp, layout.dp, layout.pp, cluster.gpus_per_node
+    return {
+        "tp": cluster.inter_node if tp > gpn else cluster.intra_node,
+        "dp": cluster.inter_node if group_crosses_nodes(tp, dp, gpn, cluster.devices) else cluster.intra_node,
+        "pp": cluster.inter_node if group_crosses_nodes(tp * dp, pp, gpn, cluster.devices) else cluster.intra_node,
+    }
+
+
+def _dp_collectives(zero_stage: int, accumulation: int) -> list[tuple[str, int]]:
+    """(collective, times per optimizer step) a DP group issues at ``zero_stage``, as DeepSpeed does.
+
+    Stages 0-1 sync once per window; stage 2 reduce-scatters every micro-step, and
+    stage 3 also all-gathers the parameters for every forward and backward.
+    """
+    if zero_stage == 0:
+        return [("all_reduce", 1)]
+    if zero_stage == 1:
+        return [("reduce_scatter", 1), ("all_gather", 1)]
+    if zero_stage == 2:
+        return [("reduce_scatter", accumulation), ("all_gather", 1)]
+    return [("reduce_scatter", accumulation), ("all_gather", 2 * accumulation)]
 
 
 def candidate_layouts(

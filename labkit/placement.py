@@ -209,12 +209,8 @@ def simulate(
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if spare_nodes_per_cluster < 0:
         raise ValueError(f"spare_nodes_per_cluster must be >= 0, got {spare_nodes_per_cluster}")
-    usable = np.ones(fleet.nodes, dtype=bool)
     holds_spares = policy == "with-spares-held-back"
-    if holds_spares:
-        for cluster in range(fleet.clusters):
-            members = np.flatnonzero(fleet.node_cluster == cluster)
-            usable[members[len(members) - spare_nodes_per_cluster:] if spare_nodes_per_cluster else []] = False
+    usable = _usable_nodes(fleet, spare_nodes_per_cluster if holds_spares else 0)
     state = _FreeGpus(fleet, usable)
     usable_per_cluster = np.bincount(fleet.node_cluster, weights=usable, minlength=fleet.clusters) * fleet.gpus_per_node
     if usable_per_cluster.max() <= 0:
@@ -224,71 +220,109 @@ def simulate(
         )
     _validate_jobs(fleet, jobs, usable_per_cluster)
     zone_capacity = int((np.bincount(fleet.node_zone, weights=usable, minlength=fleet.zones) * fleet.gpus_per_node).max())
-    recovery_wait_s = recovery.spare_swap_s if holds_spares else recovery.replacement_wait_s
+    replay = _Replay(fleet, jobs, policy, state, zone_capacity, seed, recovery.checkpoint_interval_s,
+                     recovery.spare_swap_s if holds_spares else recovery.replacement_wait_s)
+    replay.run()
+    return replay.result()
 
-    n = len(jobs)
-    start, finish = np.zeros(n), np.zeros(n)
-    scopes = np.empty(n, dtype=object)
-    failures = np.zeros(n, dtype=np.int64)
-    order = sorted(range(n), key=lambda i: (jobs[i].arrival_s, i))
-    queues: dict[int, deque[int]] = {}
-    running: list[tuple[float, int]] = []
-    allocations: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    next_arrival = 0
-    now = 0.0
 
-    def start_job(i: int, placement: tuple[np.ndarray, np.ndarray]) -> None:
-        job = jobs[i]
-        nodes = placement[0]
-        scope = _scope(fleet, nodes)
-        run_s = job.steps * step_time_s(job, scope, fleet.links)
-        rng = np.random.default_rng((seed, job.job_id))
-        rate_per_s = fleet.failures_per_node_hour[nodes].sum() / 3600
-        count = int(rng.poisson(rate_per_s * run_s))
-        lost_s = float(rng.uniform(0, min(recovery.checkpoint_interval_s, run_s), count).sum())
-        start[i], scopes[i], failures[i] = now, scope, count
-        finish[i] = now + run_s + lost_s + count * recovery_wait_s
-        allocations[i] = placement
-        heapq.heappush(running, (finish[i], i))
+def _usable_nodes(fleet: Fleet, spare_nodes_per_cluster: int) -> np.ndarray:
+    """Which nodes may take jobs: all but the last ``spare_nodes_per_cluster`` of each cluster, kept for swaps."""
+    usable = np.ones(fleet.nodes, dtype=bool)
+    if spare_nodes_per_cluster:
+        for cluster in range(fleet.clusters):
+            members = np.flatnonzero(fleet.node_cluster == cluster)
+            usable[members[len(members) - spare_nodes_per_cluster:]] = False
+    return usable
 
-    def schedule() -> None:
-        while queues:
-            heads = sorted((queue[0], size) for size, queue in queues.items())
-            started = False
+
+@dataclass
+class _Replay:
+    """The event loop of :func:`simulate`: a FIFO queue per job size, a heap of running jobs' finish times.
+
+    One queue per size, because backfill only ever needs each size's oldest job:
+    if it does not fit, no younger job of that size does either.
+    """
+
+    fleet: Fleet
+    jobs: Sequence[Job]
+    policy: str
+    state: _FreeGpus
+    zone_capacity: int
+    seed: int
+    checkpoint_interval_s: float
+    recovery_wait_s: float
+    now: float = 0.0
+    queues: dict[int, deque[int]] = field(default_factory=dict)
+    running: list[tuple[float, int]] = field(default_factory=list)
+    allocations: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.jobs)
+        self.start, self.finish = np.zeros(n), np.zeros(n)
+        self.scopes = np.empty(n, dtype=object)
+        self.failures = np.zeros(n, dtype=np.int64)
+
+    def run(self) -> None:
+        """Advance to the next event (a finish before an arrival at the same time) and start what fits."""
+        jobs, n = self.jobs, len(self.jobs)
+        order = sorted(range(n), key=lambda i: (jobs[i].arrival_s, i))
+        next_arrival = 0
+        while next_arrival < n or self.running:
+            arrival_t = jobs[order[next_arrival]].arrival_s if next_arrival < n else np.inf
+            if self.running and self.running[0][0] <= arrival_t:
+                self.now, i = heapq.heappop(self.running)
+                self.state.release(*self.allocations.pop(i))
+            else:
+                self.now = arrival_t
+                i = order[next_arrival]
+                self.queues.setdefault(jobs[i].gpus, deque()).append(i)
+                next_arrival += 1
+            self.schedule()
+
+    def schedule(self) -> None:
+        """Start queued jobs, oldest first, until no queue's head fits (backfill: a big job does not block)."""
+        while self.queues:
+            heads = sorted((queue[0], size) for size, queue in self.queues.items())
             for i, size in heads:
-                placement = _place(state, policy, size, zone_capacity)
+                placement = _place(self.state, self.policy, size, self.zone_capacity)
                 if placement is not None:
-                    queues[size].popleft()
-                    if not queues[size]:
-                        del queues[size]
-                    start_job(i, placement)
-                    started = True
+                    self.queues[size].popleft()
+                    if not self.queues[size]:
+                        del self.queues[size]
+                    self.start_job(i, placement)
                     break
-            if not started:
+            else:
                 return
 
-    while next_arrival < n or running:
-        arrival_t = jobs[order[next_arrival]].arrival_s if next_arrival < n else np.inf
-        if running and running[0][0] <= arrival_t:
-            now, i = heapq.heappop(running)
-            state.release(*allocations.pop(i))
-        else:
-            now = arrival_t
-            i = order[next_arrival]
-            queues.setdefault(jobs[i].gpus, deque()).append(i)
-            next_arrival += 1
-        schedule()
-    return SimulationResult(
-        policy=policy,
-        arrival_s=np.array([job.arrival_s for job in jobs]),
-        start_s=start,
-        finish_s=finish,
-        gpus=np.array([job.gpus for job in jobs]),
-        scope=scopes.astype(str),
-        failures=failures,
-        profile=np.array([job.profile for job in jobs]),
-        fleet_gpus=fleet.gpus,
-    )
+    def start_job(self, i: int, placement: tuple[np.ndarray, np.ndarray]) -> None:
+        """Run job ``i`` on ``placement``: its step time follows its scope, its failures its nodes' rates."""
+        job = self.jobs[i]
+        nodes = placement[0]
+        scope = _scope(self.fleet, nodes)
+        run_s = job.steps * step_time_s(job, scope, self.fleet.links)
+        rng = np.random.default_rng((self.seed, job.job_id))
+        rate_per_s = self.fleet.failures_per_node_hour[nodes].sum() / 3600
+        count = int(rng.poisson(rate_per_s * run_s))
+        lost_s = float(rng.uniform(0, min(self.checkpoint_interval_s, run_s), count).sum())
+        self.start[i], self.scopes[i], self.failures[i] = self.now, scope, count
+        self.finish[i] = self.now + run_s + lost_s + count * self.recovery_wait_s
+        self.allocations[i] = placement
+        heapq.heappush(self.running, (self.finish[i], i))
+
+    def result(self) -> SimulationResult:
+        jobs = self.jobs
+        return SimulationResult(
+            policy=self.policy,
+            arrival_s=np.array([job.arrival_s for job in jobs]),
+            start_s=self.start,
+            finish_s=self.finish,
+            gpus=np.array([job.gpus for job in jobs]),
+            scope=self.scopes.astype(str),
+            failures=self.failures,
+            profile=np.array([job.profile for job in jobs]),
+            fleet_gpus=self.fleet.gpus,
+        )
 
 
 def compare_policies(

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from labkit import fabric
@@ -47,6 +47,7 @@ from labkit.collectives import Link, ring_bytes_per_rank
 from labkit.devices import load_average
 from labkit.launcher import launch, rank_info
 from labkit.netns import run
+from labkit.profiles import require_at_least
 from labkit.fleet_model import DEFAULT_LINKS, SCOPES, Job, step_time_s
 from labkit.topology import GBIT, Topology, link_bytes_model
 
@@ -67,8 +68,23 @@ EFFICIENCY_BAND = (0.4, 1.05)
 # out of its flat buffer and waits for the other rank's compute); 0.88 once in CI while the link was still
 # priced before the steps, under other load. The band keeps ~0.1 below and 0.3 above for heavier load.
 MODEL_BAND = (0.9, 1.4)
+
+
+@dataclass(frozen=True)
+class ProbeJobSize:
+    """The placed job: an MLP ``features`` -> ``hidden`` -> ``features``, ``steps`` steps of ``batch_size``."""
+
+    features: int
+    hidden: int
+    batch_size: int
+    steps: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "features", "hidden", "batch_size", "steps")
+
+
 # An MLP of 512 -> 1024 -> 512: 1,050,112 parameters, a 4.2 MB fp32 gradient.
-SIZE = {"features": 512, "hidden": 1024, "batch_size": 32, "steps": 8}
+SIZE = ProbeJobSize(features=512, hidden=1024, batch_size=32, steps=8)
 
 
 @dataclass(frozen=True)
@@ -263,13 +279,13 @@ def _slowest_rank_median(results: list[dict[str, Any]], key: str) -> float:
     return statistics.median(max(per_rank) for per_rank in zip(*(result[key] for result in results)))
 
 
-def measure(fab: fabric.Fabric, placement: str, nodes: Sequence[int], size: dict[str, int] = SIZE,
+def measure(fab: fabric.Fabric, placement: str, nodes: Sequence[int], size: ProbeJobSize = SIZE,
             timeout_s: float = 180.0) -> PlacementRun:
     """Run :func:`data_parallel_rank` on ``nodes`` of an open fabric; times and zone-link bytes."""
     job = PlacedJob(fab, tuple(nodes))
     job.keep_frames_in_zone()
     before = fab.link_bytes()
-    results = launch(data_parallel_rank, len(job.nodes), fabric=job, timeout_s=timeout_s, **size)
+    results = launch(data_parallel_rank, len(job.nodes), fabric=job, timeout_s=timeout_s, **asdict(size))
     traffic = fabric.delta(before, fab.link_bytes())
     gradient_bytes, calls = results[0]["gradient_bytes"], results[0]["all_reduce_calls"]
     per_call = link_bytes_model("all_reduce", gradient_bytes, job.topology)
@@ -290,7 +306,7 @@ def measure(fab: fabric.Fabric, placement: str, nodes: Sequence[int], size: dict
     )
 
 
-def measure_placements(size: dict[str, int] = SIZE, topology: Topology = FABRIC,
+def measure_placements(size: ProbeJobSize = SIZE, topology: Topology = FABRIC,
                        placements: dict[str, tuple[int, ...]] = PLACEMENTS) -> list[PlacementRun]:
     """The same job at each placement, one after the other on one fabric (needs ``probe()`` == namespaces)."""
     with fabric.Fabric(topology) as fab:

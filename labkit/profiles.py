@@ -2,7 +2,8 @@
 
 Every lab sizes its experiments from one :class:`Profile`, so the same notebook
 runs unchanged on a 2-core CI box, on one GPU and on a multi-GPU node. Labs keep
-their own size tables (``{"ci": ..., "gpu": ..., "multi-gpu": ...}``) next to
+their own size tables (``{"ci": ..., "gpu": ..., "multi-gpu": ...}``, each entry
+a frozen dataclass that checks itself with :func:`require_at_least`) next to
 their code and read them with :meth:`Profile.pick`; this module only decides
 *which* profile applies.
 """
@@ -67,6 +68,18 @@ class Profile:
             f"profile {self.name!r}: single-device experiments on {where}; "
             f"distributed experiments on {self.ranks} {ranks_on} over {self.backend}"
         )
+
+
+def require_at_least(sizes: object, minimum: float, *fields: str) -> None:
+    """Raise a ValueError naming the first of ``fields`` of ``sizes`` below ``minimum``.
+
+    Size tables are checked when they are built, so a typo fails at import with the
+    field's name, not minutes into a run with a shape error.
+    """
+    for name in fields:
+        value = getattr(sizes, name)
+        if value < minimum:
+            raise ValueError(f"{type(sizes).__name__}.{name} must be >= {minimum}, got {value}")
 
 
 def detect_profile_name() -> str:

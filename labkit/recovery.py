@@ -8,7 +8,7 @@ from the newest checkpoint that verifies -- then account for what the failure
 cost. This module is that loop, :func:`supervise`, on real processes:
 
 * it starts every rank of :func:`labkit.recovery_rank.train_rank` in its own
-  process group, with the variables torchrun sets;
+  process group, with the variables torchrun sets (:mod:`labkit.recovery_launch`);
 * it watches exit codes, heartbeats, step-time outliers and non-finite losses
   (:mod:`labkit.heartbeat`), and on a failure kills the remaining ranks, cordons
   the node, swaps in a spare and relaunches. A failure no node could fix (a typo
@@ -21,37 +21,51 @@ cost. This module is that loop, :func:`supervise`, on real processes:
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from labkit import triage
 from labkit.heartbeat import HeartbeatWatch, StragglerRule, exit_verdict, read_new, silence_verdict
-from labkit.launcher import check_backend, free_port
-from labkit.processes import killpg
-from labkit.recovery_rank import (CAUSE_OF_FAULT, RESTART_VAR, RUN_ID_VAR, TORCHELASTIC_RESTART_VAR, Fault,
-                                  validate_faults)
+from labkit.launcher import check_backend
+from labkit.profiles import require_at_least
+from labkit.recovery_launch import (check_devices_for_nodes, kill_rank, launch_attempt, leftover_processes,
+                                    refill_standby)
+from labkit.fault_plan import CAUSE_OF_FAULT, Fault, validate_faults
 from labkit.recovery_report import Attempt, Detection, RunReport
 
-RANK_MODULE = "labkit.recovery_rank"
-"""What each rank runs (``python -m``), under this supervisor or under torchrun."""
+@dataclass(frozen=True)
+class RecoverySizes:
+    """The supervised job: ``steps`` of an MLP ``features`` -> ``hidden``, saved every ``checkpoint_every`` steps."""
+
+    steps: int
+    features: int
+    hidden: int
+    batch_size: int
+    checkpoint_every: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "steps", "features", "hidden", "batch_size", "checkpoint_every")
+
+    def train_kwargs(self) -> dict[str, int]:
+        """The keyword arguments :func:`supervise` passes on to every rank."""
+        return asdict(self)
+
 
 # The lesson is the control plane (detect, restart, resume), which a GPU does not change,
 # so every profile supervises gloo CPU ranks at the sizes measured on the CI box;
 # ``supervise(backend="nccl")`` puts the same job on GPUs.
 SIZES = {
-    "ci": {"steps": 80, "features": 128, "hidden": 256, "batch_size": 64, "checkpoint_every": 10},
-    "gpu": {"steps": 80, "features": 128, "hidden": 256, "batch_size": 64, "checkpoint_every": 10},
-    "multi-gpu": {"steps": 80, "features": 128, "hidden": 256, "batch_size": 64, "checkpoint_every": 10},
+    "ci": RecoverySizes(steps=80, features=128, hidden=256, batch_size=64, checkpoint_every=10),
+    "gpu": RecoverySizes(steps=80, features=128, hidden=256, batch_size=64, checkpoint_every=10),
+    "multi-gpu": RecoverySizes(steps=80, features=128, hidden=256, batch_size=64, checkpoint_every=10),
 }
 
 
@@ -61,29 +75,6 @@ class RecoveryError(RuntimeError):
     def __init__(self, message: str, rank_traceback: str | None = None):
         super().__init__(message)
         self.rank_traceback = rank_traceback
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL at once, no grace: a failed attempt's ranks hold nothing the next attempt needs."""
-    killpg(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def leftover_processes(run_id: str) -> list[int]:
-    """Live processes started for ``run_id`` (found by the variable every rank carries)."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get(RUN_ID_VAR) == run_id and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def supervise(
@@ -123,11 +114,35 @@ def supervise(
     on; on the 2-core CI box neither holds, so the default is the baseline: every
     relaunch starts cold, as torchrun does.
     """
+    plan, max_restarts = _checked_plan(world_size, spares, faults, max_restarts, heartbeat_timeout_s, backend,
+                                       train_kwargs)
+    run_path = _fresh_run_dir(Path(run_dir))
+    run_id = uuid.uuid4().hex
+    report = RunReport(run_path, world_size, plan, [], [], [], time.time(), 0.0)
+    all_procs: list[subprocess.Popen] = []
+    try:
+        _run_attempts(report, run_id, all_procs, spares=spares, max_restarts=max_restarts,
+                      heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
+                      straggler=straggler, poll_s=poll_s, warm_standby=warm_standby, progress=progress,
+                      backend=backend, train_kwargs=train_kwargs)
+    finally:
+        _end_run(report, all_procs, run_id)
+    return report
+
+
+def _checked_plan(
+    world_size: int, spares: int, faults: Sequence[Fault], max_restarts: int | None, heartbeat_timeout_s: float,
+    backend: str, train_kwargs: dict[str, Any],
+) -> tuple[list[Fault], int]:
+    """The validated fault plan and restart budget; refuses a bad argument before any rank starts.
+
+    By default every planned fault and every spare may cost one restart.
+    """
     steps = int(train_kwargs.get("steps", 80))
     check_backend(backend)
     if spares < 0:
         raise ValueError(f"spares must be >= 0, got {spares}")
-    _check_devices_for_nodes(backend, world_size + spares)
+    check_devices_for_nodes(backend, world_size + spares)
     if heartbeat_timeout_s <= 0:
         raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
     checkpoint_every = int(train_kwargs.get("checkpoint_every", 10))
@@ -137,58 +152,71 @@ def supervise(
     max_restarts = len(plan) + spares if max_restarts is None else max_restarts
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    return plan, max_restarts
 
-    run_path = Path(run_dir)
+
+def _fresh_run_dir(run_path: Path) -> Path:
+    """Empty ``run_path`` for a new run; only a previous run's folder may be wiped, never someone's files."""
     if run_path.exists() and any(run_path.iterdir()) and not (run_path / "attempt-000").exists():
         raise ValueError(f"run_dir {run_path} holds files that are not a previous run's; give an empty or new folder")
     shutil.rmtree(run_path, ignore_errors=True)
     run_path.mkdir(parents=True)
-    run_id = uuid.uuid4().hex
+    return run_path
+
+
+def _run_attempts(
+    report: RunReport, run_id: str, all_procs: list[subprocess.Popen], *, spares: int, max_restarts: int,
+    heartbeat_timeout_s: float, startup_timeout_s: float, straggler: StragglerRule, poll_s: float,
+    warm_standby: bool, progress: Any, backend: str, train_kwargs: dict[str, Any],
+) -> None:
+    """Launch, watch, and on each failure cordon the node and move its rank to a spare, until a clean finish.
+
+    Every process started goes into ``all_procs``, so the caller can kill them all whatever happens here.
+    """
+    world_size, run_path = report.world_size, report.run_dir
     nodes = [f"node{i}" for i in range(world_size + spares)]
     assignment = list(range(world_size))
     standby = deque(range(world_size, world_size + spares))
-    report = RunReport(run_path, world_size, plan, [], [], [], time.time(), 0.0)
-    all_procs: list[subprocess.Popen] = []
     warm: deque[subprocess.Popen] = deque()
     judge = triage.RetryJudge()
-    try:
-        for attempt in range(max_restarts + 1):
-            procs = _launch_attempt(run_path, run_id, attempt, assignment, nodes, plan, train_kwargs,
-                                    warm if warm_standby else None, backend)
-            all_procs += procs
-            report.attempts.append(Attempt(attempt, tuple(nodes[n] for n in assignment), time.time(),
-                                           tuple(p.pid for p in procs)))
-            outcome = _watch_attempt(
-                report, procs, attempt, heartbeat_timeout_s, startup_timeout_s, straggler, poll_s, progress,
-                on_training=functools.partial(_refill_standby, warm, all_procs, world_size, run_path, run_id)
-                if warm_standby else None,
+    for attempt in range(max_restarts + 1):
+        procs = launch_attempt(run_path, run_id, attempt, assignment, nodes, report.faults, train_kwargs,
+                                warm if warm_standby else None, backend)
+        all_procs += procs
+        report.attempts.append(Attempt(attempt, tuple(nodes[n] for n in assignment), time.time(),
+                                       tuple(p.pid for p in procs)))
+        outcome = _watch_attempt(
+            report, procs, attempt, heartbeat_timeout_s, startup_timeout_s, straggler, poll_s, progress,
+            on_training=functools.partial(refill_standby, warm, all_procs, world_size, run_path, run_id)
+            if warm_standby else None,
+        )
+        for proc in procs:
+            kill_rank(proc)
+        if outcome is None:
+            return
+        _stop_if_no_node_can_help(report, attempt, outcome, judge)
+        cause, rank, detail, _ = outcome
+        failed_node = _record_detection(report, attempt, outcome, nodes[assignment[rank]])
+        if not standby:
+            raise RecoveryError(
+                f"{failed_node} (rank {rank}) failed ({cause}: {detail}) and no healthy spare is left; "
+                f"cordoned: {report.cordoned}. Give more spares="
             )
-            for proc in procs:
-                _kill_group(proc)
-            if outcome is None:
-                break
-            _stop_if_no_node_can_help(report, attempt, outcome, judge)
-            cause, rank, detail, _ = outcome
-            failed_node = _record_detection(report, attempt, outcome, nodes[assignment[rank]])
-            if not standby:
-                raise RecoveryError(
-                    f"{failed_node} (rank {rank}) failed ({cause}: {detail}) and no healthy spare is left; "
-                    f"cordoned: {report.cordoned}. Give more spares="
-                )
-            assignment[rank] = standby.popleft()
-        else:
-            raise RecoveryError(f"gave up after max_restarts={max_restarts}; detections: {report.detections}")
-    finally:
-        for proc in all_procs:
-            _kill_group(proc)
-        for pid in leftover_processes(run_id):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        report.t_end = time.time()
-        report.leftover_pids = leftover_processes(run_id)
-    return report
+        assignment[rank] = standby.popleft()
+    raise RecoveryError(f"gave up after max_restarts={max_restarts}; detections: {report.detections}")
+
+
+def _end_run(report: RunReport, all_procs: list[subprocess.Popen], run_id: str) -> None:
+    """Kill every process the run started, then any stray that still carries its run id, and stamp the end."""
+    for proc in all_procs:
+        kill_rank(proc)
+    for pid in leftover_processes(run_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    report.t_end = time.time()
+    report.leftover_pids = leftover_processes(run_id)
 
 
 def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, str, float], node: str) -> str:
@@ -218,95 +246,6 @@ def _stop_if_no_node_can_help(
     shown = f"the rank's traceback:\n{error['traceback']}" if error else f"the rank's log is {log}"
     raise RecoveryError(f"attempt {attempt} stopped instead of retrying on a spare: {reason}. "
                         f"Fix it and rerun; {shown}", error["traceback"] if error else None)
-
-
-def _start_standby(run_path: Path, run_id: str) -> subprocess.Popen:
-    """A warm spare process: it imports torch and labkit now and waits for its orders on stdin."""
-    folder = run_path / "standby"
-    folder.mkdir(exist_ok=True)
-    env = {**os.environ, RUN_ID_VAR: run_id, "LABKIT_SUPERVISOR_PID": str(os.getpid()), "OMP_NUM_THREADS": "1"}
-    env.pop(TORCHELASTIC_RESTART_VAR, None)
-    with open(folder / f"process-{uuid.uuid4().hex[:8]}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", RANK_MODULE, "--standby"], env=env, stdin=subprocess.PIPE,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
-
-
-def _refill_standby(warm: deque, all_procs: list[subprocess.Popen], world_size: int, run_path: Path,
-                    run_id: str) -> None:
-    """Boot warm spares until there is one per rank (called once the attempt trains)."""
-    while len(warm) < world_size:
-        warm.append(_start_standby(run_path, run_id))
-        all_procs.append(warm[-1])
-
-
-def node_local_rank(node: int) -> int:
-    """LOCAL_RANK (the GPU index) of the process on emulated node ``node``.
-
-    The emulated nodes are slots of this one machine, one process each, and node
-    ``i`` owns device ``i``. A spare that takes over rank ``r`` runs on the device of
-    the slot it takes, not on rank ``r``'s: that one belongs to the cordoned node.
-    """
-    if node < 0:
-        raise ValueError(f"node must be >= 0, got {node}")
-    return node
-
-
-def _check_devices_for_nodes(backend: str, nodes: int) -> None:
-    """NCCL ranks need a GPU per node slot, spares included, before anything starts."""
-    if backend != "nccl":
-        return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if nodes > gpus:
-        raise ValueError(f"backend='nccl' puts each of world_size + spares = {nodes} node slots on a GPU of "
-                         f"its own, and this machine has {gpus}; lower spares or world_size, or use "
-                         f"backend='gloo'")
-
-
-def _launch_attempt(
-    run_path: Path, run_id: str, attempt: int, assignment: list[int], nodes: list[str],
-    plan: list[Fault], train_kwargs: dict, warm: deque | None, backend: str,
-) -> list[subprocess.Popen]:
-    """Start (cold) or hand orders to (warm) one process per rank, with torchrun's variables."""
-    from labkit import dsops
-
-    dsops.use_environment_extensions_dir()
-    attempt_dir = run_path / f"attempt-{attempt:03d}"
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    kwargs = {**train_kwargs, "run_dir": str(run_path), "faults": [asdict(f) for f in plan]}
-    world_size = len(assignment)
-    procs = []
-    for rank, node in enumerate(assignment):
-        rank_env = {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "RANK": str(rank), "LOCAL_RANK": str(node_local_rank(node)),
-            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-            "LABKIT_BACKEND": backend,
-            "LABKIT_TIMEOUT_S": os.environ.get("LABKIT_TIMEOUT_S", "600"),
-            "OMP_NUM_THREADS": "1", RESTART_VAR: str(attempt), RUN_ID_VAR: run_id,
-            "LABKIT_NODE": nodes[node], "LABKIT_SUPERVISOR_PID": str(os.getpid()),
-        }
-        log_path = attempt_dir / f"rank{rank}.log"
-        while warm:
-            proc = warm.popleft()
-            try:
-                proc.stdin.write(json.dumps({"env": rank_env, "kwargs": kwargs, "log": str(log_path)}) + "\n")
-                proc.stdin.close()
-            except (BrokenPipeError, OSError):
-                _kill_group(proc)
-                continue
-            procs.append(proc)
-            break
-        else:
-            env = {**os.environ, **rank_env}
-            env.pop(TORCHELASTIC_RESTART_VAR, None)
-            with open(log_path, "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", RANK_MODULE, "--kwargs", json.dumps(kwargs)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
 
 
 def _watch_attempt(

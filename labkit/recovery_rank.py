@@ -32,78 +32,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from labkit import triage
-
-FAULT_KINDS = ("kill", "hang", "straggle", "nan")
-
-CAUSE_OF_FAULT = {"kill": "exit", "hang": "hang", "straggle": "straggler", "nan": "nonfinite"}
+from labkit.fault_plan import Fault
 
 RUN_ID_VAR = "LABKIT_RUN_ID"
 
 RESTART_VAR = "LABKIT_RESTART_COUNT"
 
 TORCHELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One fault to inject: ``kind`` on ``rank`` when it is about to run ``step``."""
-
-    kind: str
-    rank: int
-    step: int
-
-    @property
-    def fault_id(self) -> str:
-        return f"{self.kind}-rank{self.rank}-step{self.step}"
-
-
-def validate_faults(faults: Sequence[Fault], *, world_size: int, steps: int) -> list[Fault]:
-    """Reject plans that could never fire, before any rank starts."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    seen_steps: set[int] = set()
-    checked = []
-    for fault in faults:
-        if fault.kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {fault.kind!r}")
-        if not 0 <= fault.rank < world_size:
-            raise ValueError(f"fault {fault.fault_id}: rank must be in [0, {world_size - 1}], got {fault.rank}")
-        if not 0 <= fault.step < steps:
-            raise ValueError(f"fault {fault.fault_id}: step must be in [0, {steps - 1}], got {fault.step}")
-        if fault.step in seen_steps:
-            raise ValueError(f"fault {fault.fault_id}: two faults at step {fault.step}; give each fault its own step")
-        seen_steps.add(fault.step)
-        checked.append(fault)
-    return sorted(checked, key=lambda f: f.step)
-
-
-def random_fault_plan(
-    kinds: Sequence[str], *, world_size: int, steps: int, seed: int, min_gap_steps: int = 8
-) -> list[Fault]:
-    """One fault of each kind at random ranks and steps (deterministic given ``seed``),
-    at least ``min_gap_steps`` apart so each failure is recovered before the next."""
-    rng = np.random.default_rng(seed)
-    span = steps - min_gap_steps * (len(kinds) + 1)
-    if span < 0:
-        raise ValueError(
-            f"steps must be >= {min_gap_steps * (len(kinds) + 1)} for {len(kinds)} faults "
-            f"{min_gap_steps} steps apart, got {steps}"
-        )
-    offsets = np.sort(rng.integers(0, span + 1, len(kinds)))
-    faults = [
-        Fault(kind, int(rng.integers(0, world_size)), int(min_gap_steps * (i + 1) + offsets[i]))
-        for i, kind in enumerate(kinds)
-    ]
-    return validate_faults(faults, world_size=world_size, steps=steps)
 
 
 def restart_count() -> int:
@@ -179,10 +118,8 @@ def train_rank(
     batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the
     state after ``k`` steps (``loader_position=k``).
     """
-    import torch
     import torch.distributed as dist
 
-    from labkit.checkpoint import capture_training_state, load_for_resume, restore_training_state
     from labkit.launcher import rank_device
     from labkit.savers import AsyncSaver, SyncSaver
 
@@ -195,6 +132,88 @@ def train_rank(
     log = EventLog(run_path / f"attempt-{attempt:03d}" / f"rank{rank}.jsonl")
     device = rank_device()
 
+    model, optimizer, start_step = _build_and_resume(run_path, features, hidden, lr, seed, device)
+    checkpointer = (AsyncSaver if saver == "async" else SyncSaver)(run_path / "checkpoints", keep=3) if rank == 0 else None
+    log.write("ready", restored_step=start_step, pid=os.getpid(), node=os.environ.get("LABKIT_NODE", ""))
+
+    mine = {f.step: f for f in (Fault(**d) for d in faults) if f.rank == rank and not _fault_marker(run_path, f).exists()}
+    straggling = False
+    for step in range(start_step, steps):
+        t_start = time.time()
+        fault = mine.get(step)
+        if fault is not None:
+            _fire(run_path, fault, log)
+            straggling = straggling or fault.kind == "straggle"
+        batch = make_batch(step, rank, seed=seed, batch_size=batch_size, features=features)
+        loss_value, t_computed = _train_step(model, optimizer, batch, device, log, rank, step, world_size,
+                                             nan=fault is not None and fault.kind == "nan",
+                                             straggle_s=straggle_extra_s if straggling else 0.0)
+        t_end = time.time()
+        checkpoint_s = _maybe_checkpoint(checkpointer, model, optimizer, step + 1, steps, checkpoint_every)
+        log.write("step", step=step, t_start=t_start, t_end=t_end, compute_s=t_computed - t_start,
+                  sync_s=t_end - t_computed, checkpoint_s=checkpoint_s, loss=loss_value)
+    _finish(checkpointer, log)
+    return {"rank": rank, "attempt": attempt, "restored_step": start_step, "final_step": steps}
+
+
+def _maybe_checkpoint(checkpointer: Any, model: Any, optimizer: Any, done: int, steps: int,
+                      checkpoint_every: int) -> float:
+    """Seconds the trainer was blocked saving after ``done`` steps; every ``checkpoint_every`` and at the end."""
+    from labkit.checkpoint import capture_training_state
+
+    if checkpointer is None or (done % checkpoint_every != 0 and done != steps):
+        return 0.0
+    state = capture_training_state(model, optimizer, loader_position=done)
+    return checkpointer.save(done, state).blocked_s
+
+
+def _finish(checkpointer: Any, log: EventLog) -> None:
+    """Wait for the last write (an async save may still be in flight), then for every rank, then log "done"."""
+    import torch.distributed as dist
+
+    if checkpointer is not None:
+        t_close = time.time()
+        checkpointer.close()
+        log.write("closed", wait_s=time.time() - t_close)
+    dist.barrier()
+    log.write("done")
+
+
+def _train_step(model: Any, optimizer: Any, batch: tuple[Any, Any], device: Any, log: EventLog, rank: int, step: int,
+                world_size: int, *, nan: bool, straggle_s: float) -> tuple[float, float]:
+    """Forward, backward, gradient average, update; returns the loss and when compute ended (for the heartbeat).
+
+    ``nan`` and ``straggle_s`` are injected faults: a poisoned loss, a slow backward.
+    """
+    import torch
+
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+    if nan:
+        loss = loss * float("nan")
+    loss_value = _checked_loss_value(loss, log, rank, step)
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    if straggle_s:
+        time.sleep(straggle_s)
+    t_computed = time.time()
+    log.write("computed", step=step)
+    _average_gradients(list(model.parameters()), world_size)
+    optimizer.step()
+    return loss_value, t_computed
+
+
+def _build_and_resume(run_path: Path, features: int, hidden: int, lr: float, seed: int,
+                      device: Any) -> tuple[Any, Any, int]:
+    """Model, optimizer and the step to resume at, from the newest verified checkpoint.
+
+    Every rank must land on the same step, or the ranks would train different models.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from labkit.checkpoint import load_for_resume, restore_training_state
+
     torch.manual_seed(seed)
     model = make_model(features, hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -204,65 +223,42 @@ def train_rank(
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     if agreed[0].item() != -agreed[1].item():
         raise RuntimeError(f"ranks restored different checkpoints (steps {-agreed[1].item()}..{agreed[0].item()})")
-    checkpointer = (AsyncSaver if saver == "async" else SyncSaver)(run_path / "checkpoints", keep=3) if rank == 0 else None
-    log.write("ready", restored_step=start_step, pid=os.getpid(), node=os.environ.get("LABKIT_NODE", ""))
+    return model, optimizer, start_step
 
-    mine = {
-        f.step: f for f in (Fault(**d) for d in faults)
-        if f.rank == rank and not _fault_marker(run_path, f).exists()
-    }
-    params = list(model.parameters())
-    straggling = False
-    for step in range(start_step, steps):
-        t_start = time.time()
-        fault = mine.get(step)
-        if fault is not None:
-            _fault_marker(run_path, fault).parent.mkdir(parents=True, exist_ok=True)
-            _fault_marker(run_path, fault).touch()
-            log.write("fault", kind=fault.kind, step=step, fault_id=fault.fault_id)
-            if fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if fault.kind == "hang":
-                while True:
-                    time.sleep(3600)
-            straggling = straggling or fault.kind == "straggle"
-        x, y = make_batch(step, rank, seed=seed, batch_size=batch_size, features=features)
-        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-        if fault is not None and fault.kind == "nan":
-            loss = loss * float("nan")
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            log.write("nonfinite", step=step, loss=loss_value)
-            raise FloatingPointError(f"rank {rank}: loss is {loss_value} at step {step}; stopping before it reaches the weights")
-        optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        if straggling:
-            time.sleep(straggle_extra_s)
-        t_computed = time.time()
-        log.write("computed", step=step)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= world_size
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        optimizer.step()
-        t_end = time.time()
-        checkpoint_s = 0.0
-        done = step + 1
-        if checkpointer is not None and (done % checkpoint_every == 0 or done == steps):
-            state = capture_training_state(model, optimizer, loader_position=done)
-            checkpoint_s = checkpointer.save(done, state).blocked_s
-        log.write("step", step=step, t_start=t_start, t_end=t_end, compute_s=t_computed - t_start,
-                  sync_s=t_end - t_computed, checkpoint_s=checkpoint_s, loss=loss_value)
-    if checkpointer is not None:
-        t_close = time.time()
-        checkpointer.close()
-        log.write("closed", wait_s=time.time() - t_close)
-    dist.barrier()
-    log.write("done")
-    return {"rank": rank, "attempt": attempt, "restored_step": start_step, "final_step": steps}
+
+def _fire(run_path: Path, fault: Fault, log: EventLog) -> None:
+    """Inject ``fault`` once per run: its marker file stops a restarted rank from firing it again."""
+    _fault_marker(run_path, fault).parent.mkdir(parents=True, exist_ok=True)
+    _fault_marker(run_path, fault).touch()
+    log.write("fault", kind=fault.kind, step=fault.step, fault_id=fault.fault_id)
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+
+
+def _checked_loss_value(loss: Any, log: EventLog, rank: int, step: int) -> float:
+    """The loss as a float; a non-finite one stops the rank before its gradients reach the weights."""
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        log.write("nonfinite", step=step, loss=loss_value)
+        raise FloatingPointError(f"rank {rank}: loss is {loss_value} at step {step}; stopping before it reaches the weights")
+    return loss_value
+
+
+def _average_gradients(params: list[Any], world_size: int) -> None:
+    """One all-reduce of all gradients flattened together, then divide: the mean gradient on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
 
 
 def final_weights(run_dir: str | Path) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit.recovery_rank import Fault
+from labkit.fault_plan import Fault
 
 @dataclass(frozen=True)
 class Detection:

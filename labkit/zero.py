@@ -155,6 +155,27 @@ def offload_placement(
         num_params, stage, dp_degree,
         param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
     )
+    _check_offload_stage(stage, optimizer_target, param_target)
+    part = partition_numel(num_params, dp_degree)
+    places = {"none": [0, 0, 0], "cpu": [0, 0, 0], "nvme": [0, 0, 0]}
+    places[param_target][0] += on_rank.params
+    places[optimizer_target][2] += on_rank.optimizer
+    grads_to_cpu = grad_bytes * part if optimizer_target != "none" else 0
+    places["cpu"][1] += grads_to_cpu
+    places["none"][1] += on_rank.grads - (grads_to_cpu if stage >= 2 else 0)
+    pcie, nvme = _offload_traffic_bytes(part, optimizer_target, param_target, param_bytes, grad_bytes,
+                                        optimizer_bytes)
+    return OffloadPlacement(
+        accelerator=ModelStateBytes(*places["none"]),
+        cpu=ModelStateBytes(*places["cpu"]),
+        nvme=ModelStateBytes(*places["nvme"]),
+        pcie_bytes_per_step=pcie,
+        nvme_bytes_per_step=nvme,
+    )
+
+
+def _check_offload_stage(stage: int, optimizer_target: str, param_target: str) -> None:
+    """Offload moves a rank's *partition*, so it needs the stage that makes that partition."""
     if optimizer_target != "none" and stage < 1:
         raise ValueError(
             f"optimizer_target={optimizer_target!r} needs stage >= 1 (offload moves the rank's "
@@ -165,14 +186,18 @@ def offload_placement(
             f"param_target={param_target!r} needs stage 3 (only stage 3 partitions parameters), "
             f"got stage {stage}"
         )
-    part = partition_numel(num_params, dp_degree)
-    places = {"none": [0, 0, 0], "cpu": [0, 0, 0], "nvme": [0, 0, 0]}
-    places[param_target][0] += on_rank.params
-    places[optimizer_target][2] += on_rank.optimizer
-    grads_to_cpu = grad_bytes * part if optimizer_target != "none" else 0
-    places["cpu"][1] += grads_to_cpu
-    places["none"][1] += on_rank.grads - (grads_to_cpu if stage >= 2 else 0)
 
+
+def _offload_traffic_bytes(
+    part: int, optimizer_target: str, param_target: str, param_bytes: int, grad_bytes: int, optimizer_bytes: int
+) -> tuple[int, int]:
+    """(PCIe, NVMe) bytes one rank moves per step for its partition of ``part`` elements.
+
+    PCIe: gradients down and updated parameters up for a CPU optimizer; offloaded
+    parameters come up for the forward and the backward (and go down once more when
+    the optimizer stays on the accelerator). NVMe: optimizer state is read and
+    written back every step; offloaded parameters are read twice and written once.
+    """
     pcie = 0
     if optimizer_target != "none":
         pcie += grad_bytes * part
@@ -187,13 +212,7 @@ def offload_placement(
         nvme += 2 * optimizer_bytes * part
     if param_target == "nvme":
         nvme += 3 * param_bytes * part
-    return OffloadPlacement(
-        accelerator=ModelStateBytes(*places["none"]),
-        cpu=ModelStateBytes(*places["cpu"]),
-        nvme=ModelStateBytes(*places["nvme"]),
-        pcie_bytes_per_step=pcie,
-        nvme_bytes_per_step=nvme,
-    )
+    return pcie, nvme
 
 
 def largest_model_params(

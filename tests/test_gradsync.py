@@ -1,5 +1,7 @@
 """Delayed gradient sync: fewer all-reduces, same bytes per sync, faster on a slow link."""
 
+import dataclasses
+
 import pytest
 
 from labkit import gradsync as g
@@ -7,7 +9,7 @@ from labkit import gradsync_model
 from labkit.collectives import ring_bytes_per_rank
 from labkit.topology import GBIT
 
-SMALL = {"hidden": 512, "layers": 4, "micro_batch": 4, "accumulation": 4, "optimizer_steps": 3, "warmup_steps": 1}
+SMALL = g.GradSyncSizes(hidden=512, layers=4, micro_batch=4, accumulation=4, optimizer_steps=3, warmup_steps=1)
 GRADIENT_BYTES = 4_202_496
 
 
@@ -23,7 +25,7 @@ def test_bad_arguments_fail_before_any_rank_starts():
     with pytest.raises(ValueError, match="rates_gbit must be one or more rates > 0"):
         g.run_experiment(rates_gbit=(0.0,))
     with pytest.raises(ValueError, match="accumulation must be"):
-        g.run_experiment(sizes={**SMALL, "accumulation": 0})
+        g.run_experiment(sizes=dataclasses.replace(SMALL, accumulation=0))
     with pytest.raises(ValueError, match="stage must be"):
         g.run_experiment(deepspeed_stages=(4,))
 
@@ -70,7 +72,7 @@ def _synthetic_result(wire_per_payload: float) -> dict:
          "wire_bytes_per_step_by_rank": [wire_per_payload * syncs * ring] * 2}
         for mode, syncs in (("sync_every_micro_step", 8), ("delayed_sync", 1))
     ]
-    return {"world_size": 2, "sizes": {"micro_batch": 4}, "gradient_bytes": GRADIENT_BYTES,
+    return {"world_size": 2, "sizes": dataclasses.replace(SMALL, micro_batch=4), "gradient_bytes": GRADIENT_BYTES,
             "single_device": {"step_s": 0.032}, "rows": rows}
 
 
@@ -123,7 +125,7 @@ def test_the_emulated_run_says_so_and_its_links_only_sleep(emulated):
 
 @pytest.mark.slow
 def test_delayed_sync_cuts_all_reduce_calls_by_exactly_the_accumulation_factor(emulated):
-    acc = SMALL["accumulation"]
+    acc = SMALL.accumulation
     every = gradsync_model.find_row(emulated["rows"], mode="sync_every_micro_step")
     delayed = gradsync_model.find_row(emulated["rows"], mode="delayed_sync")
     assert delayed["all_reduce_calls_per_step"] >= 1
@@ -137,7 +139,7 @@ def test_delayed_sync_makes_the_same_update(emulated):
 
 @pytest.mark.slow
 def test_counted_gradient_bytes_match_the_ring_model(emulated):
-    acc, grad_bytes = SMALL["accumulation"], emulated["gradient_bytes"]
+    acc, grad_bytes = SMALL.accumulation, emulated["gradient_bytes"]
     for mode, syncs in (("sync_every_micro_step", acc), ("delayed_sync", 1)):
         row = gradsync_model.find_row(emulated["rows"], mode=mode)
         assert row["all_reduce_bytes_per_step"] == syncs * grad_bytes

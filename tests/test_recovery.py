@@ -15,6 +15,7 @@ import torch
 
 from labkit import checkpoint, heartbeat, interval, recovery_report, savers, triage
 from labkit import recovery as rc
+from labkit import fault_plan, recovery_launch
 from labkit import recovery_rank as rr
 from labkit.interval import young_daly_interval_s
 
@@ -23,7 +24,7 @@ TINY = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch
 
 def test_fault_plan_naming_a_rank_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\], got 2"):
-        rc.supervise(tmp_path / "run", world_size=2, faults=[rr.Fault("kill", 2, 3)], **TINY)
+        rc.supervise(tmp_path / "run", world_size=2, faults=[fault_plan.Fault("kill", 2, 3)], **TINY)
     assert not (tmp_path / "run").exists(), "refused before anything started"
 
 
@@ -35,22 +36,22 @@ def test_a_backend_other_than_gloo_or_nccl_is_refused_before_anything_starts(tmp
 
 def test_fault_plan_naming_a_step_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"step must be in \[0, 11\], got 12"):
-        rc.supervise(tmp_path / "run", world_size=2, faults=[rr.Fault("hang", 0, 12)], **TINY)
+        rc.supervise(tmp_path / "run", world_size=2, faults=[fault_plan.Fault("hang", 0, 12)], **TINY)
     with pytest.raises(ValueError, match="fault kind must be one of"):
-        rr.validate_faults([rr.Fault("meteor", 0, 1)], world_size=2, steps=10)
+        fault_plan.validate_faults([fault_plan.Fault("meteor", 0, 1)], world_size=2, steps=10)
     with pytest.raises(ValueError, match="two faults at step 3"):
-        rr.validate_faults([rr.Fault("kill", 0, 3), rr.Fault("nan", 1, 3)], world_size=2, steps=10)
+        fault_plan.validate_faults([fault_plan.Fault("kill", 0, 3), fault_plan.Fault("nan", 1, 3)], world_size=2, steps=10)
 
 
 def test_random_fault_plan_is_deterministic_and_in_range():
-    plan = rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=80, seed=8)
-    assert plan == rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=80, seed=8)
-    assert sorted(f.kind for f in plan) == sorted(rr.FAULT_KINDS)
+    plan = fault_plan.random_fault_plan(fault_plan.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert plan == fault_plan.random_fault_plan(fault_plan.FAULT_KINDS, world_size=2, steps=80, seed=8)
+    assert sorted(f.kind for f in plan) == sorted(fault_plan.FAULT_KINDS)
     steps = [f.step for f in plan]
     assert all(0 <= f.rank < 2 for f in plan) and steps == sorted(steps)
     assert min(b - a for a, b in zip(steps, steps[1:])) >= 8
     with pytest.raises(ValueError, match="steps must be >= 40"):
-        rr.random_fault_plan(rr.FAULT_KINDS, world_size=2, steps=20, seed=0)
+        fault_plan.random_fault_plan(fault_plan.FAULT_KINDS, world_size=2, steps=20, seed=0)
 
 
 def test_restart_count_prefers_torchelastic(monkeypatch):
@@ -128,7 +129,7 @@ def clean_run(tmp_path_factory) -> recovery_report.RunReport:
 def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_run):
     """Cold start for the reference, warm standby processes for the relaunch: both paths run."""
     clean = clean_run
-    faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[rr.Fault("kill", 1, 5)],
+    faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[fault_plan.Fault("kill", 1, 5)],
                            warm_standby=True, **TINY)
     assert not clean.detections and len(clean.attempts) == 1
     assert faulted.injected == faulted.recovered == ["kill-rank1-step5"]
@@ -147,7 +148,7 @@ def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_
 @pytest.mark.slow
 def test_hang_without_a_spare_fails_loudly_and_leaves_no_process(tmp_path):
     with pytest.raises(rc.RecoveryError, match="no healthy spare is left") as info:
-        rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[rr.Fault("hang", 0, 6)],
+        rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[fault_plan.Fault("hang", 0, 6)],
                      heartbeat_timeout_s=2.0, **TINY)
     assert "hang" in str(info.value) and "node0" in str(info.value)
     pids = []
@@ -181,8 +182,8 @@ def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
 def test_ranks_exit_when_their_supervisor_is_killed(tmp_path):
     run = tmp_path / "run"
     script = (
-        "from labkit import recovery as rc\nfrom labkit import recovery_rank as rr\n"
-        f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[rr.Fault('hang', 0, 6)], "
+        "from labkit import fault_plan\nfrom labkit import recovery as rc\n"
+        f"rc.supervise({str(run)!r}, world_size=2, spares=1, faults=[fault_plan.Fault('hang', 0, 6)], "
         f"heartbeat_timeout_s=600, **{TINY!r})\n"
     )
     supervisor_log = tmp_path / "supervisor.log"
@@ -311,7 +312,7 @@ def test_a_typo_in_train_kwargs_stops_at_once_with_the_traceback_and_burns_no_sp
 
 @pytest.mark.slow
 def test_a_hang_at_the_first_step_is_recovered_like_any_other_hang(tmp_path, clean_run):
-    report = rc.supervise(tmp_path / "run", world_size=2, spares=1, faults=[rr.Fault("hang", 0, 0)],
+    report = rc.supervise(tmp_path / "run", world_size=2, spares=1, faults=[fault_plan.Fault("hang", 0, 0)],
                           heartbeat_timeout_s=2.0, startup_timeout_s=40.0, **TINY)
     assert report.injected == report.recovered == ["hang-rank0-step0"]
     assert report.detections[0].cause == "hang" and report.attempts[1].restored_step == 0
@@ -329,7 +330,7 @@ def test_a_spare_gets_the_gpu_of_the_slot_it_takes_not_the_failed_ranks(monkeypa
     monkeypatch.setattr(rc.subprocess, "Popen", FakePopen)
     nodes = [f"node{i}" for i in range(4)]
     assignment = [0, 2]      # rank 1's node1 was cordoned; the spare node2 took its place
-    rc._launch_attempt(tmp_path, "run-id", 1, assignment, nodes, [], {}, None, "nccl")
+    recovery_launch.launch_attempt(tmp_path, "run-id", 1, assignment, nodes, [], {}, None, "nccl")
     assert [(env["RANK"], env["LABKIT_NODE"], env["LOCAL_RANK"]) for env in started] == [
         ("0", "node0", "0"), ("1", "node2", "2")]
 

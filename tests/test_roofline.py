@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit import roofline
+from labkit import roofline, roofline_devices
 
 
 def test_elementwise_add_moves_three_arrays_and_does_one_flop_per_element():
@@ -34,35 +34,35 @@ def test_square_matmul_intensity_grows_linearly_with_size():
     assert intensities[-1] / intensities[0] == pytest.approx(sizes[-1] / sizes[0])
 
 
-@pytest.mark.parametrize("device", sorted(roofline.VENDOR_SPECS))
+@pytest.mark.parametrize("device", sorted(roofline_devices.VENDOR_SPECS))
 def test_matmul_intensity_crosses_the_ridge_on_every_device(device):
-    spec = roofline.device_spec(device)
+    spec = roofline_devices.device_spec(device)
     ridge = spec.ridge("bfloat16")
     assert roofline.square_matmul_intensity(64, "bfloat16") < ridge < roofline.square_matmul_intensity(8192, "bfloat16")
 
 
-@pytest.mark.parametrize("device", sorted(roofline.VENDOR_SPECS))
+@pytest.mark.parametrize("device", sorted(roofline_devices.VENDOR_SPECS))
 def test_elementwise_softmax_and_layernorm_sit_far_below_every_ridge(device):
-    spec = roofline.device_spec(device)
+    spec = roofline_devices.device_spec(device)
     for cost in (roofline.elementwise(2**20, "bf16", inputs=2), roofline.softmax(1024, 1024, "bf16"),
                  roofline.layer_norm(1024, 4096, "bf16"), roofline.reduction(1024, 4096, "bf16")):
         assert cost.intensity < spec.ridge("bfloat16") / 50
-        assert roofline.place(cost, spec).bound == "memory-bound"
+        assert roofline_devices.place(cost, spec).bound == "memory-bound"
 
 
 def test_ridge_points_reproduce_fregly_figures_from_the_datasheets():
-    assert roofline.device_spec("A100").ridge("bf16") == pytest.approx(153, rel=0.02)
-    assert roofline.device_spec("H100").ridge("bf16") == pytest.approx(295, rel=0.02)
+    assert roofline_devices.device_spec("A100").ridge("bf16") == pytest.approx(153, rel=0.02)
+    assert roofline_devices.device_spec("H100").ridge("bf16") == pytest.approx(295, rel=0.02)
 
 
 def test_h200_has_h100_compute_but_more_bandwidth_so_a_lower_ridge():
-    h100, h200 = roofline.device_spec("H100"), roofline.device_spec("h200")
+    h100, h200 = roofline_devices.device_spec("H100"), roofline_devices.device_spec("h200")
     assert h200.peak("bf16") == h100.peak("bf16")
     assert h200.ridge("bf16") < h100.ridge("bf16")
 
 
 def test_every_vendor_row_says_it_is_a_vendor_figure():
-    assert all(spec.source.startswith("vendor figure") for spec in roofline.VENDOR_SPECS.values())
+    assert all(spec.source.startswith("vendor figure") for spec in roofline_devices.VENDOR_SPECS.values())
 
 
 def test_attainable_is_bandwidth_times_intensity_below_the_ridge_and_peak_above():
@@ -79,32 +79,32 @@ def test_min_time_is_the_slower_of_compute_and_memory():
 
 
 def test_host_cpu_row_is_an_estimate_from_cores_clock_and_isa_not_a_vendor_figure():
-    spec = roofline.host_cpu_spec(10e9, cores=2, ghz=2.5, flags={"avx2", "fma"})
+    spec = roofline_devices.host_cpu_spec(10e9, cores=2, ghz=2.5, flags={"avx2", "fma"})
     assert spec.peak("float32") == 2 * 2.5e9 * 32
     assert spec.peak("float64") == spec.peak("float32") / 2
     assert "not a vendor figure" in spec.source
-    assert "host CPU" in roofline.spec_table(spec)
+    assert "host CPU" in roofline_devices.spec_table(spec)
 
 
 def test_explorer_calls_a_small_batch_matmul_memory_bound_and_a_large_one_compute_bound():
-    small = roofline.explore("H100", batch=1, seq_len=1, hidden=4096)
-    large = roofline.explore("H100", batch=8, seq_len=2048, hidden=4096)
+    small = roofline_devices.explore("H100", batch=1, seq_len=1, hidden=4096)
+    large = roofline_devices.explore("H100", batch=8, seq_len=2048, hidden=4096)
     assert small["MLP matmul"].bound == "memory-bound"
     assert large["MLP matmul"].bound == "compute-bound"
     assert large["residual add"].bound == "memory-bound"
-    assert "compute-bound" in roofline.explorer_text("B200", 8, 2048, 4096)
+    assert "compute-bound" in roofline_devices.explorer_text("B200", 8, 2048, 4096)
 
 
 def test_explorer_widget_builds_and_prints_the_verdict():
-    view = roofline.explorer_widget()
+    view = roofline_devices.explorer_widget()
     assert "memory-bound" in view()
 
 
 def test_unknown_device_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"device must be one of .*A100"):
-        roofline.device_spec("TPU v9")
+        roofline_devices.device_spec("TPU v9")
     with pytest.raises(ValueError, match="device must be one of"):
-        roofline.explore("V100", batch=1, seq_len=1, hidden=64)
+        roofline_devices.explore("V100", batch=1, seq_len=1, hidden=64)
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 4), (4, -1, 4), (4, 4, 2.5)])
@@ -119,7 +119,7 @@ def test_unsupported_dtypes_are_refused_by_name():
     with pytest.raises(ValueError, match=r"dtype must be one of"):
         roofline.matmul(2, 2, 2, torch.complex64)
     with pytest.raises(ValueError, match="has no peak figure"):
-        roofline.device_spec("A100").peak("float8")
+        roofline_devices.device_spec("A100").peak("float8")
 
 
 def test_bad_roof_figures_are_refused():
@@ -135,7 +135,7 @@ def test_bad_roof_figures_are_refused():
     ("NVIDIA A100-SXM4-80GB", "A100"),
 ])
 def test_the_exact_sxm_device_names_get_their_vendor_row(gpu_name, row):
-    assert roofline.match_vendor_spec(gpu_name) is roofline.VENDOR_SPECS[row]
+    assert roofline_devices.match_vendor_spec(gpu_name) is roofline_devices.VENDOR_SPECS[row]
 
 
 @pytest.mark.parametrize("gpu_name", [
@@ -143,8 +143,8 @@ def test_the_exact_sxm_device_names_get_their_vendor_row(gpu_name, row):
     "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-32GB",
 ])
 def test_other_variants_of_a_family_get_no_vendor_row_so_the_measured_roof_is_used(gpu_name):
-    assert roofline.match_vendor_spec(gpu_name) is None
+    assert roofline_devices.match_vendor_spec(gpu_name) is None
 
 
 def test_every_known_device_name_points_at_an_existing_vendor_row():
-    assert set(roofline.VENDOR_DEVICE_NAMES.values()) <= set(roofline.VENDOR_SPECS)
+    assert set(roofline_devices.VENDOR_DEVICE_NAMES.values()) <= set(roofline_devices.VENDOR_SPECS)
