@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(profile().describe())
     print(describe_machine())
-    rates = tuple(args.rates) if args.rates else profile().pick(zeropp_fabric.SIZES)["rates_gbit"]
+    rates = tuple(args.rates) if args.rates else profile().pick(zeropp_fabric.SIZES).rates_gbit
     results = [one_run(rates) for _ in range(args.repeats)]
     ok = all(passed for passed, _ in results)
     ratios = [ratio for _, ratio in results]

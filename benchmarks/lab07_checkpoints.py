@@ -73,7 +73,7 @@ def dcp_target(state_mb_per_rank: float, saves: int, ranks: int, workdir: Path) 
 def fused_target(vocabs: list[int], tokens: int, hidden: int, chunk_rows: int, device: str) -> bool:
     ok = True
     for vocab in vocabs:
-        sizes = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk_rows": chunk_rows}
+        sizes = fused_loss.FusedLossSizes(tokens=tokens, hidden=hidden, vocab=vocab, chunk_rows=chunk_rows)
         kinds = ["unfused", "fused"] + (["liger"] if fused_loss.liger_available() else [])
         peaks = {p.kind: p.peak_bytes for p in fused_loss.measure_peak_memory(kinds, sizes, device=device)}
         h, w, t = fused_loss.make_inputs(tokens, hidden, vocab, device=device)

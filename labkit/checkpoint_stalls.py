@@ -22,12 +22,29 @@ import torch
 from labkit import checkpoint, savers
 from labkit.devices import PeakRss
 from labkit.models import mlp, parameter_count
+from labkit.profiles import require_at_least
+
+
+@dataclass(frozen=True)
+class StallSizes:
+    """A training state of ``state_mb`` MB trained ``steps`` steps and saved every ``save_every``; on real
+    ranks, ``dcp_state_mb_per_rank`` MB per rank saved ``dcp_saves`` times (the first is set-up, so >= 2)."""
+
+    state_mb: float
+    steps: int
+    save_every: int
+    dcp_state_mb_per_rank: float
+    dcp_saves: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "state_mb", "steps", "save_every", "dcp_state_mb_per_rank")
+        require_at_least(self, 2, "dcp_saves")
 
 
 SIZES = {
-    "ci": {"state_mb": 64, "steps": 12, "save_every": 4, "dcp_state_mb_per_rank": 48, "dcp_saves": 3},
-    "gpu": {"state_mb": 512, "steps": 60, "save_every": 10, "dcp_state_mb_per_rank": 256, "dcp_saves": 4},
-    "multi-gpu": {"state_mb": 1024, "steps": 60, "save_every": 10, "dcp_state_mb_per_rank": 512, "dcp_saves": 4},
+    "ci": StallSizes(state_mb=64, steps=12, save_every=4, dcp_state_mb_per_rank=48, dcp_saves=3),
+    "gpu": StallSizes(state_mb=512, steps=60, save_every=10, dcp_state_mb_per_rank=256, dcp_saves=4),
+    "multi-gpu": StallSizes(state_mb=1024, steps=60, save_every=10, dcp_state_mb_per_rank=512, dcp_saves=4),
 }
 _WIDTH = 1024
 _BYTES_PER_PARAM_WITH_ADAM = 12

@@ -21,17 +21,33 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from labkit.devices import PeakRss
+from labkit.profiles import require_at_least
+
+
+@dataclass(frozen=True)
+class FusedLossSizes:
+    """``tokens`` hidden states of width ``hidden`` projected onto a ``vocab``-word vocabulary, fused
+    ``chunk_rows`` tokens at a time: the full logits are ``tokens x vocab``, a chunk's ``chunk_rows x vocab``."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    chunk_rows: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "tokens", "hidden", "vocab", "chunk_rows")
+
 
 SIZES = {
-    "ci": {"tokens": 512, "hidden": 64, "vocab": 32768, "chunk_rows": 64},
-    "gpu": {"tokens": 8192, "hidden": 2048, "vocab": 128256, "chunk_rows": 1024},
-    "multi-gpu": {"tokens": 8192, "hidden": 2048, "vocab": 128256, "chunk_rows": 1024},
+    "ci": FusedLossSizes(tokens=512, hidden=64, vocab=32768, chunk_rows=64),
+    "gpu": FusedLossSizes(tokens=8192, hidden=2048, vocab=128256, chunk_rows=1024),
+    "multi-gpu": FusedLossSizes(tokens=8192, hidden=2048, vocab=128256, chunk_rows=1024),
 }
 IGNORE_INDEX = -100
 
@@ -141,20 +157,20 @@ def loss_and_grads(kind: str, h, w, t, chunk_rows: int = 256):
     return loss.detach(), h.grad, w.grad
 
 
-def _peak_bytes_here(kind: str, sizes: dict, device: str) -> int:
+def _peak_bytes_here(kind: str, sizes: FusedLossSizes, device: str) -> int:
     """Peak memory one forward+backward adds, in this process, after a warm-up."""
-    h, w, t = make_inputs(sizes["tokens"], sizes["hidden"], sizes["vocab"], device=device)
-    loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
+    h, w, t = make_inputs(sizes.tokens, sizes.hidden, sizes.vocab, device=device)
+    loss_and_grads(kind, h, w, t, sizes.chunk_rows)
     h.grad = w.grad = None
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
+        loss_and_grads(kind, h, w, t, sizes.chunk_rows)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     with PeakRss() as peak:
-        loss_and_grads(kind, h, w, t, sizes["chunk_rows"])
+        loss_and_grads(kind, h, w, t, sizes.chunk_rows)
     return peak.added_bytes
 
 
@@ -165,7 +181,7 @@ class PeakMemory:
     method: str
 
 
-def measure_peak_memory(kinds: list[str], sizes: dict, *, device: str = "cpu") -> list[PeakMemory]:
+def measure_peak_memory(kinds: list[str], sizes: FusedLossSizes, *, device: str = "cpu") -> list[PeakMemory]:
     """Peak memory added by one forward + backward of each loss.
 
     GPU: the caching allocator's own ``max_memory_allocated`` (exact).
@@ -180,7 +196,7 @@ def measure_peak_memory(kinds: list[str], sizes: dict, *, device: str = "cpu") -
         return [PeakMemory(k, _peak_bytes_here(k, sizes, device), "torch.cuda.max_memory_allocated") for k in kinds]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "labkit.fused_loss", json.dumps({"kinds": kinds, "sizes": sizes})],
+        [sys.executable, "-m", "labkit.fused_loss", json.dumps({"kinds": kinds, "sizes": asdict(sizes)})],
         env=env, capture_output=True, text=True, timeout=600,
     )
     if out.returncode != 0:
@@ -197,7 +213,8 @@ def logits_bytes(tokens: int, vocab: int, chunk_rows: int | None = None) -> int:
 def _main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     torch.set_num_threads(1)
-    peaks = {kind: _peak_bytes_here(kind, spec["sizes"], "cpu") for kind in spec["kinds"]}
+    sizes = FusedLossSizes(**spec["sizes"])
+    peaks = {kind: _peak_bytes_here(kind, sizes, "cpu") for kind in spec["kinds"]}
     print(json.dumps(peaks))
 
 

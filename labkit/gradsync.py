@@ -16,15 +16,14 @@ real link shaped to the rate under test: the time is measured, and the kernel
 counts the bytes. Elsewhere (no root, macOS, Binder, or ``LABKIT_FABRIC=emulated``)
 the link is emulated: ``CommCounter`` sleeps the ring model's time for the
 counted bytes, so the throughput then follows from the model and is not evidence
-for it. :func:`link_mode` says which one runs. The model each measured row is set
-beside, and the table and plot that show both, are :mod:`labkit.gradsync_model`.
+for it. Which one runs, and why, is :mod:`labkit.gradsync_links`. The model each measured
+row is set beside, and the table and plot that show both, are :mod:`labkit.gradsync_model`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -32,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.collectives import CommCounter, Link, register_counting_hook
+from labkit.collectives import CommCounter, register_counting_hook
+from labkit.gradsync_links import LinkMode, emulated_link, link_mode, set_link_rate, uplink_bytes
 from labkit.gradsync_model import (MODES, UNSHAPED_GBIT, add_predictions, check_accumulation, ms_per_sample,
                                    two_node_topology)
 from labkit.models import mlp
 from labkit.profiles import require_at_least
-from labkit.topology import gbit_to_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +72,6 @@ SIZES = {
 
 RATES_GBIT = (0.1, 0.5, 4.0, UNSHAPED_GBIT)
 """Link rates Lab 5 measures, Gbit/s each way; the last is effectively unshaped (:data:`UNSHAPED_GBIT`)."""
-
-EMULATED_ENV = "LABKIT_FABRIC"
 
 
 def make_model(hidden: int, layers: int, seed: int = 0) -> nn.Sequential:
@@ -171,60 +168,6 @@ def _time_steps(step: Callable[[int], float], warmup_steps: int, optimizer_steps
     return min(step_s), losses
 
 
-@dataclasses.dataclass(frozen=True)
-class LinkMode:
-    """Which links a run gets: ``"namespaces"`` (real, shaped) or ``"emulated"`` (sleeps), and why."""
-
-    mode: str
-    reason: str
-
-    @property
-    def label(self) -> str:
-        if self.mode == "namespaces":
-            return "real shaped links (namespaces)"
-        return f"emulated (sleep): {self.reason}"
-
-
-def link_mode(backend: str = "gloo") -> LinkMode:
-    """Real shaped links where a fabric can be built, else the sleep emulation; ``LABKIT_FABRIC=emulated`` forces it."""
-    if os.environ.get(EMULATED_ENV, "") == "emulated":
-        return LinkMode("emulated", f"{EMULATED_ENV}=emulated is set")
-    if backend != "gloo":
-        return LinkMode("emulated", f"{backend} ranks talk over device links, not over the fabric's sockets")
-    from labkit import fabric
-
-    capability = fabric.probe()
-    return LinkMode(capability.mode, capability.reason)
-
-
-def emulated_link(rate_gbit: float) -> Link:
-    """The sleep emulation's link at ``rate_gbit``; no latency, like the shaped link (tbf adds none)."""
-    return Link(f"{rate_gbit:g} Gbit/s (emulated)", bandwidth_gbps=rate_gbit, latency_us=0.0)
-
-
-def set_link_rate(links: dict[str, tuple[tuple[str, str], tuple[str, str]]], rate_gbit: float) -> None:
-    """Reshape every fabric link to ``rate_gbit`` (:func:`labkit.fabric.set_link_rates`)."""
-    from labkit.fabric import set_link_rates
-
-    set_link_rates(links, gbit_to_bytes_per_s(rate_gbit))
-
-
-def _uplink_bytes() -> tuple[int, int]:
-    """(TCP payload sent, wire bytes its shaper sent) of this rank's node uplink, from the kernel; (0, 0) off a fabric.
-
-    The payload is the interface's bytes less one set of headers per packet
-    (:class:`labkit.fabric.LinkBytes`), so the ACKs for the other direction drop out.
-    """
-    name = os.environ.get("LABKIT_NETNS")
-    if not name:
-        return 0, 0
-    from labkit.fabric import UPLINK, tcp_payload
-    from labkit.netns import counters
-
-    uplink = counters(name)[UPLINK]
-    return tcp_payload(uplink["tx_bytes"], uplink["tx_packets"]), uplink["qdisc_sent_bytes"]
-
-
 def train_rank(
     rates_gbit: Sequence[float],
     hidden: int,
@@ -307,7 +250,7 @@ def _measure_mode(step_fn: Callable[..., float], ddp: nn.Module, optimizer: torc
     def measure_start() -> None:
         counter.reset()
         dist.barrier()
-        bytes_before.append(_uplink_bytes())
+        bytes_before.append(uplink_bytes())
 
     dist.barrier()
     step_s, losses = _time_steps(lambda i: step_fn(ddp, optimizer, sizes.batches(rank, i, device)),
@@ -315,7 +258,7 @@ def _measure_mode(step_fn: Callable[..., float], ddp: nn.Module, optimizer: torc
     # A collective returns while its last bytes may still sit in a socket buffer; the barrier's
     # message follows them on the same connection, so after it every byte has crossed the link.
     dist.barrier()
-    tx_bytes, wire_bytes = (after - before for after, before in zip(_uplink_bytes(), bytes_before[0]))
+    tx_bytes, wire_bytes = (after - before for after, before in zip(uplink_bytes(), bytes_before[0]))
     slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     step_s = slowest.item()

@@ -11,6 +11,7 @@ planner that decides where to use it is :mod:`labkit.parallelism`.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.collectives import CommCounter
+from labkit.profiles import require_at_least
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -85,11 +87,24 @@ def full_mlp(hidden: int, ffn: int, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
 
 
+@dataclass(frozen=True)
+class TensorParallelSizes:
+    """``layers`` residual MLPs ``hidden`` -> ``ffn`` -> ``hidden`` on ``tokens`` tokens; ``ffn`` is what is split."""
+
+    hidden: int
+    ffn: int
+    tokens: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "hidden", "ffn", "tokens", "layers")
+
+
 TP_SIZES = {
-    "ci": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
-    "gpu": {"hidden": 256, "ffn": 1024, "tokens": 64, "layers": 3},
+    "ci": TensorParallelSizes(hidden=256, ffn=1024, tokens=64, layers=3),
+    "gpu": TensorParallelSizes(hidden=256, ffn=1024, tokens=64, layers=3),
     # ffn splits evenly across any node of 2-8 GPUs (8400 = 840 x 10, 840 = lcm(1..8)).
-    "multi-gpu": {"hidden": 2048, "ffn": 8400, "tokens": 1024, "layers": 4},
+    "multi-gpu": TensorParallelSizes(hidden=2048, ffn=8400, tokens=1024, layers=4),
 }
 
 
@@ -133,14 +148,14 @@ def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> dic
     }
 
 
-def run_tensor_parallel(world_size: int = 2, sizes: dict[str, int] | None = None) -> dict[str, Any]:
+def run_tensor_parallel(world_size: int = 2, sizes: TensorParallelSizes | None = None) -> dict[str, Any]:
     """Launch :func:`tensor_parallel_rank` on real ranks; returns rank 0's result."""
     from labkit.launcher import launch
     from labkit.profiles import profile
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    chosen = dict(sizes or profile().pick(TP_SIZES))
-    if chosen["ffn"] % world_size:
-        raise ValueError(f"ffn ({chosen['ffn']}) must be divisible by world_size ({world_size})")
-    return launch(tensor_parallel_rank, world_size, backend=profile().backend_for(world_size), **chosen)[0]
+    chosen = sizes or profile().pick(TP_SIZES)
+    if chosen.ffn % world_size:
+        raise ValueError(f"ffn ({chosen.ffn}) must be divisible by world_size ({world_size})")
+    return launch(tensor_parallel_rank, world_size, backend=profile().backend_for(world_size), **asdict(chosen))[0]

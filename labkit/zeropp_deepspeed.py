@@ -12,6 +12,7 @@ where (and stands in for the bytes where the links are emulated).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,14 +20,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.launcher import rank_device, rank_info
+from labkit.profiles import require_at_least
 from labkit.quantcomm import NodeLayout
 from labkit.zeropp import NodeAwareCounter, _mean_over_ranks, batch, flat_numel, init_flat
 from labkit.zeropp_fabric import FabricLinks, busiest, return_freed_memory_to_the_os
 
+
+@dataclass(frozen=True)
+class DeepSpeedSizes:
+    """An MLP of layer widths ``dims`` trained ``steps`` measured steps per DeepSpeed config."""
+
+    dims: tuple[int, ...]
+    steps: int
+
+    def __post_init__(self) -> None:
+        if len(self.dims) < 2 or min(self.dims) < 1:
+            raise ValueError(f"DeepSpeedSizes.dims must be two or more widths >= 1, got {self.dims}")
+        require_at_least(self, 1, "steps")
+
+
 SIZES = {
-    "ci": {"dims": (256, 512, 512, 256), "steps": 2},
-    "gpu": {"dims": (256, 512, 512, 256), "steps": 3},
-    "multi-gpu": {"dims": (1024, 2048, 2048, 1024), "steps": 10},
+    "ci": DeepSpeedSizes(dims=(256, 512, 512, 256), steps=2),
+    "gpu": DeepSpeedSizes(dims=(256, 512, 512, 256), steps=3),
+    "multi-gpu": DeepSpeedSizes(dims=(1024, 2048, 2048, 1024), steps=10),
 }
 
 
@@ -139,7 +155,7 @@ def run(world_size: int = 4, ranks_per_node: int = 2, *, links: str | None = Non
     dsops.ensure_built((dsops.COMM_OP, dsops.QUANTIZER_OP) if on_gpus else (dsops.COMM_OP,),
                        accelerator=dsops.accelerator_for(backend))
     sizes = prof.pick(SIZES)
-    kwargs = dict(dims=sizes["dims"], steps=sizes["steps"], ranks_per_node=ranks_per_node,
+    kwargs = dict(dims=sizes.dims, steps=sizes.steps, ranks_per_node=ranks_per_node,
                   configs=configs(on_gpus, ranks_per_node))
     mode = links or ("emulated" if on_gpus else fabric.probe().mode)
     if mode != "namespaces":

@@ -22,13 +22,14 @@ import ctypes
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from labkit import quantcomm, zeropp
+from labkit.profiles import require_at_least
 from labkit.quantcomm import NodeLayout, quantized_bytes
 from labkit.topology import GBIT, Topology, link_bytes_model
 from labkit.zeropp import Variant, ZeroRank
@@ -38,13 +39,35 @@ VARIANTS = zeropp.VARIANTS
 FP32_REFERENCE = "ZeRO-3 fp32"
 TIMED = ("ZeRO-3", "ZeRO++")
 
+
+@dataclass(frozen=True)
+class FabricSizes:
+    """An MLP of layer widths ``dims``, timed ``timed_steps`` steps at each of ``micro_batches`` and each
+    link rate in ``rates_gbit``, then trained ``train_steps`` steps (at the first micro-batch)."""
+
+    dims: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    rates_gbit: tuple[float, ...]
+    timed_steps: int
+    train_steps: int
+
+    def __post_init__(self) -> None:
+        if len(self.dims) < 2 or min(self.dims) < 1:
+            raise ValueError(f"FabricSizes.dims must be two or more widths >= 1, got {self.dims}")
+        if not self.micro_batches or min(self.micro_batches) < 1:
+            raise ValueError(f"FabricSizes.micro_batches must be one or more sizes >= 1, got {self.micro_batches}")
+        if not all(r > 0 for r in self.rates_gbit):
+            raise ValueError(f"rates_gbit must all be > 0, got {self.rates_gbit}")
+        require_at_least(self, 1, "timed_steps", "train_steps")
+
+
 SIZES = {
-    "ci": {"dims": (512, 1024, 1024, 512), "micro_batches": (4, 256), "rates_gbit": (0.1, 1.0, 4.0),
-           "timed_steps": 3, "train_steps": 20},
-    "gpu": {"dims": (512, 1024, 1024, 512), "micro_batches": (4, 256), "rates_gbit": (0.1, 1.0, 4.0),
-            "timed_steps": 5, "train_steps": 40},
-    "multi-gpu": {"dims": (1024, 2048, 2048, 1024), "micro_batches": (8, 1024), "rates_gbit": (0.1, 1.0, 4.0),
-                  "timed_steps": 5, "train_steps": 60},
+    "ci": FabricSizes(dims=(512, 1024, 1024, 512), micro_batches=(4, 256), rates_gbit=(0.1, 1.0, 4.0),
+                      timed_steps=3, train_steps=20),
+    "gpu": FabricSizes(dims=(512, 1024, 1024, 512), micro_batches=(4, 256), rates_gbit=(0.1, 1.0, 4.0),
+                       timed_steps=5, train_steps=40),
+    "multi-gpu": FabricSizes(dims=(1024, 2048, 2048, 1024), micro_batches=(8, 1024), rates_gbit=(0.1, 1.0, 4.0),
+                             timed_steps=5, train_steps=60),
 }
 UNSHAPED_GBIT = 40.0
 """A rate no step here comes near: the step time at it is the compute (and TCP's CPU) alone."""
@@ -268,8 +291,9 @@ def run(nodes: int = 2, ranks_per_node: int = 2, *, links: str | None = None, ti
         **overrides: Any) -> dict[str, Any]:
     """Lab 6's experiment in one launch: on a fabric where ``fabric.probe()`` allows, else emulated.
 
-    ``links="emulated"`` forces the emulation. Returns rank 0's result plus
-    ``links_reason`` (why that mode).
+    ``links="emulated"`` forces the emulation. ``overrides`` replace fields of the
+    profile's :class:`FabricSizes` or set :func:`lab_rank`'s options (``weight_bits``, ...).
+    Returns rank 0's result plus ``links_reason`` (why that mode).
     """
     from labkit import fabric
     from labkit.launcher import launch
@@ -277,21 +301,21 @@ def run(nodes: int = 2, ranks_per_node: int = 2, *, links: str | None = None, ti
 
     zeropp.check_config(nodes * ranks_per_node, ranks_per_node, overrides.get("weight_bits", 8),
                         overrides.get("grad_bits", 4), overrides.get("block_size", 256))
-    sizes = {**profile().pick(SIZES), **overrides}
-    if not all(r > 0 for r in sizes["rates_gbit"]):
-        raise ValueError(f"rates_gbit must all be > 0, got {sizes['rates_gbit']}")
+    size_fields = {f.name for f in fields(FabricSizes)}
+    sizes = replace(profile().pick(SIZES), **{k: v for k, v in overrides.items() if k in size_fields})
     capability = fabric.probe()
     mode = links or capability.mode
     if mode not in ("namespaces", "emulated"):
         raise ValueError(f"links must be 'namespaces' or 'emulated', got {mode!r}")
     reason = capability.reason if links is None else "asked for"
     world = nodes * ranks_per_node
-    kwargs = dict(sizes, ranks_per_node=ranks_per_node)
+    kwargs = dict(asdict(sizes), **{k: v for k, v in overrides.items() if k not in size_fields},
+                  ranks_per_node=ranks_per_node)
     if mode == "emulated":
         result = launch(lab_rank, world, timeout_s=timeout_s, fab=None, **kwargs)[0]
     else:
         topology = Topology(nodes=nodes, ranks_per_node=ranks_per_node,
-                            inter_node_bytes_per_s=max(sizes["rates_gbit"]) * GBIT)
+                            inter_node_bytes_per_s=max(sizes.rates_gbit) * GBIT)
         with fabric.Fabric(topology) as fab:
             result = launch(lab_rank, world, timeout_s=timeout_s, fabric=fab, fab=fab, **kwargs)[0]
     return {**result, "links_reason": reason}

@@ -5,6 +5,7 @@ import torch
 
 from labkit.fused_loss import (
     IGNORE_INDEX,
+    FusedLossSizes,
     fused_linear_cross_entropy,
     logits_bytes,
     loss_and_grads,
@@ -36,7 +37,7 @@ def test_fused_loss_scales_its_gradient_by_the_upstream_gradient():
 def test_fused_peak_memory_is_a_fraction_of_the_unfused_at_32k_vocab():
     """Measured in a fresh process (resident-set high-water mark): the unfused loss
     keeps three tokens x vocab matrices (logits, log-softmax, its gradient)."""
-    sizes = {"tokens": 256, "hidden": 32, "vocab": 32768, "chunk_rows": 32}
+    sizes = FusedLossSizes(tokens=256, hidden=32, vocab=32768, chunk_rows=32)
     unfused, fused = measure_peak_memory(["unfused", "fused"], sizes)
     assert unfused.peak_bytes >= 2 * logits_bytes(256, 32768)
     assert fused.peak_bytes <= 0.5 * unfused.peak_bytes
@@ -52,3 +53,8 @@ def test_bad_shapes_and_chunks_are_refused():
         fused_linear_cross_entropy(h, w.T, t)
     with pytest.raises(ValueError, match="kind must be"):
         loss_and_grads("magic", h, w, t)
+
+
+def test_a_fused_loss_size_table_with_empty_chunks_fails_when_built():
+    with pytest.raises(ValueError, match=r"FusedLossSizes.chunk_rows must be >= 1, got 0"):
+        FusedLossSizes(tokens=512, hidden=64, vocab=32768, chunk_rows=0)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from labkit import gradsync as g
-from labkit import gradsync_model
+from labkit import gradsync_links, gradsync_model
 from labkit.collectives import ring_bytes_per_rank
 from labkit.topology import GBIT
 
@@ -97,13 +97,13 @@ def test_without_shapers_the_model_assumes_no_framing():
 def test_links_fall_back_to_the_sleep_emulation_and_say_why(monkeypatch):
     from labkit import fabric
 
-    monkeypatch.setenv(g.EMULATED_ENV, "emulated")
-    assert g.link_mode().label == f"emulated (sleep): {g.EMULATED_ENV}=emulated is set"
-    monkeypatch.delenv(g.EMULATED_ENV)
+    monkeypatch.setenv(gradsync_links.EMULATED_ENV, "emulated")
+    assert gradsync_links.link_mode().label == f"emulated (sleep): {gradsync_links.EMULATED_ENV}=emulated is set"
+    monkeypatch.delenv(gradsync_links.EMULATED_ENV)
     monkeypatch.setattr(fabric, "probe", lambda: fabric.Capability("emulated", "network namespaces need root"))
-    assert g.link_mode().label == "emulated (sleep): network namespaces need root"
+    assert gradsync_links.link_mode().label == "emulated (sleep): network namespaces need root"
     monkeypatch.setattr(fabric, "probe", lambda: fabric.Capability("namespaces", "tbf works"))
-    assert g.link_mode().label == "real shaped links (namespaces)"
+    assert gradsync_links.link_mode().label == "real shaped links (namespaces)"
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def emulated():
     """The sleep-emulation path (where no fabric can be built), forced so it runs on every machine."""
     return g.run_experiment(
         world_size=2, rates_gbit=(0.5,), deepspeed_stages=(1, 2), deepspeed_accumulation=4, sizes=SMALL,
-        mode=g.LinkMode("emulated", "forced by the test"),
+        mode=gradsync_links.LinkMode("emulated", "forced by the test"),
     )
 
 

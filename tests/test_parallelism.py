@@ -12,7 +12,8 @@ CLUSTER = p.Cluster(nodes=4, gpus_per_node=8)
 
 @pytest.mark.slow
 def test_tensor_parallel_mlp_matches_the_full_layer_with_one_all_reduce_each_way():
-    result = tensor_parallel.run_tensor_parallel(2, sizes={"hidden": 64, "ffn": 256, "tokens": 16, "layers": 2})
+    result = tensor_parallel.run_tensor_parallel(2, sizes=tensor_parallel.TensorParallelSizes(
+        hidden=64, ffn=256, tokens=16, layers=2))
     layers, n = result["layers"], result["world_size"]
     assert result["max_output_error"] < 1e-4
     assert result["max_input_grad_error"] < 1e-4
@@ -106,3 +107,8 @@ def test_group_crosses_nodes_only_when_it_spans_two():
     assert not p.group_crosses_nodes(1, 8, 8, 32)
     assert p.group_crosses_nodes(8, 4, 8, 32)
     assert p.group_crosses_nodes(2, 8, 8, 32)
+
+
+def test_a_tensor_parallel_size_table_without_layers_fails_when_built():
+    with pytest.raises(ValueError, match=r"TensorParallelSizes.layers must be >= 1, got 0"):
+        tensor_parallel.TensorParallelSizes(hidden=256, ffn=1024, tokens=64, layers=0)

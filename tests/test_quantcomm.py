@@ -235,3 +235,11 @@ def test_zeropp_cross_node_bytes_land_on_the_model_on_either_kind_of_link(links)
     assert rows["ZeRO++"]["wire_vs_zero3"] <= 0.30
     assert result["grad_error"]["within_bound_everywhere"]
     assert {t["rate_gbit"] for t in zeropp_fabric.time_table(result)} == {0.5, 4.0}
+
+
+def test_lab6_size_tables_without_steps_fail_when_built():
+    with pytest.raises(ValueError, match=r"FabricSizes.timed_steps must be >= 1, got 0"):
+        zeropp_fabric.FabricSizes(dims=(256, 512, 256), micro_batches=(2, 8), rates_gbit=(0.5,), timed_steps=0,
+                                  train_steps=2)
+    with pytest.raises(ValueError, match=r"DeepSpeedSizes.steps must be >= 1, got 0"):
+        zeropp_deepspeed.DeepSpeedSizes(dims=(256, 512, 256), steps=0)
