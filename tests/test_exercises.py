@@ -89,7 +89,7 @@ def _exercise_ids() -> dict[int, list[str]]:
 
 def test_every_exercise_has_a_reference_and_a_wrong_answer_and_a_notebook_cell():
     ids = _exercise_ids()
-    assert ids, "no exercises found"
+    assert sorted(ids) == list(range(1, 9)), f"labs with exercises: {sorted(ids)}; every lab has them"
     for lab, idents in ids.items():
         notebook = next(NOTEBOOKS.glob(f"{lab:02d}_*.ipynb")).read_text()
         assert len(idents) >= 2, f"lab {lab} has {len(idents)} exercise(s); each lab has two or three"
