@@ -247,13 +247,18 @@ def test_the_shared_mlp_has_the_widths_asked_for_and_refuses_impossible_ones():
 
 
 def test_peak_rss_sees_memory_touched_and_released_inside_the_block():
-    import numpy as np
+    import mmap
 
     from labkit.devices import PeakRss
 
+    size = 64 * 2**20
     with PeakRss() as peak:
-        touched = np.ones(64 * 2**20 // 8)  # 64 MiB, every page written
-        del touched
+        # fresh pages from the kernel, one byte written in each: memory that malloc kept from an
+        # earlier test can be reused without growing the resident set (CI once saw 0 bytes with np.ones)
+        touched = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            touched[offset] = 1
+        touched.close()
     assert peak.added_bytes >= 60 * 2**20, "the high-water mark keeps a peak that is already gone"
 
 

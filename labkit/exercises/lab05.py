@@ -66,7 +66,7 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
                       test=test)
 
 
-def bucketed_all_reduce_rank(buckets: list[list[int]], repeats: int = 5) -> dict[str, float]:
+def bucketed_all_reduce_rank(buckets: list[list[int]], repeats: int = 3) -> dict[str, float]:
     """Rank function: best-of time to all-reduce every gradient one by one, then bucket by bucket."""
     import torch.distributed as dist
 

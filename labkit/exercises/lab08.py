@@ -17,8 +17,8 @@ PATIENCE = 3
 """Steps running a rule must hold before the supervisor acts (as :class:`labkit.heartbeat.StragglerRule`)."""
 
 
-def hang_detection(size: recovery.RecoverySizes, prediction, *, world_size: int, timeout_s: float = 2.5,
-                   steps: int = 30) -> Verdict | None:
+def hang_detection(size: recovery.RecoverySizes, prediction, *, world_size: int, timeout_s: float = 2.0,
+                   steps: int = 16) -> Verdict | None:
     """Exercise 8.1: seconds from a rank hanging to the supervisor noticing, at a ``timeout_s`` heartbeat timeout."""
     job = {**size.train_kwargs(), "steps": steps}
     hang = fault_plan.Fault("hang", rank=0, step=steps // 2)
