@@ -57,16 +57,17 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
         one_each, yours = max(r["per_param_s"] for r in timed), max(r["bucketed_s"] for r in timed)
         print(f"  on {ranks} ranks: one all-reduce per parameter {one_each * 1e3:.1f} ms, your {len(buckets)} "
               f"bucket(s) {yours * 1e3:.1f} ms")
-        if yours > 0.5 * one_each:
+        # full buckets take 1-5% of the one-by-one time here, one bucket per tensor 70-90%: 20% separates them
+        if yours > 0.2 * one_each:
             return (f"{len(buckets)} all-reduces took {yours / one_each:.0%} of the time of one per parameter; "
-                    "each call pays a fixed latency, so fewer, fuller buckets should halve it at least")
+                    "each call pays a fixed latency, so fewer, fuller buckets should cut it to a fifth at least")
         return None
 
     return check_code("5.2", answer, what="a function buckets(sizes_bytes, cap_bytes) -> list of index lists",
                       test=test)
 
 
-def bucketed_all_reduce_rank(buckets: list[list[int]], repeats: int = 3) -> dict[str, float]:
+def bucketed_all_reduce_rank(buckets: list[list[int]], repeats: int = 5) -> dict[str, float]:
     """Rank function: best-of time to all-reduce every gradient one by one, then bucket by bucket."""
     import torch.distributed as dist
 
