@@ -18,8 +18,14 @@ PARAM_SHAPES = [(64, 64), (64,)] * 100
 BUCKET_CAP_BYTES = 2**20
 
 
-def all_reduce_time(prediction, *, gbit: float = 1.0, mib: int = 16, ranks: int = 2) -> Verdict | None:
-    """Exercise 5.1: an all-reduce of ``mib`` MiB between ``ranks`` nodes joined by ``gbit`` Gbit/s links."""
+def all_reduce_time(prediction, *, gbit: float = 1.0, mib: int = 64, ranks: int = 2) -> Verdict | None:
+    """Exercise 5.1: an all-reduce of ``mib`` MiB between ``ranks`` nodes joined by ``gbit`` Gbit/s links.
+
+    64 MiB, because each call also pays a few tens of ms that do not scale with
+    the bytes once other programs want the CPU: with four busy loops on this
+    2-core box, 16 MiB took 1.08-1.52x the ring model and 64 MiB 1.09-1.11x
+    (quiet, both 1.05x: the headers). The check allows 15%.
+    """
     if fabric.probe().mode != "namespaces":
         print(f"Exercise 5.1 needs real shaped links, and here: {fabric.probe().reason}.")
         return None
@@ -35,7 +41,8 @@ def all_reduce_time(prediction, *, gbit: float = 1.0, mib: int = 16, ranks: int 
     def explain(measured: float) -> str:
         link_ms = 2 * (ranks - 1) / ranks * message / topology.inter_node_bytes_per_s * 1e3
         return (f"The ring sends 2 (N-1)/N x {mib} MiB from every node: {link_ms:.0f} ms at {gbit:g} Gbit/s. The "
-                f"rest ({measured / link_ms - 1:+.1%}) is mostly TCP/IP headers the shaper also charges for.")
+                f"rest ({measured / link_ms - 1:+.1%}) is mostly TCP/IP headers the shaper also charges for "
+                f"(1514 wire bytes per 1448 of payload, +4.6%); beyond that, time the ranks waited for a CPU.")
 
     return predict("5.1", prediction, what=f"the ms of one all-reduce of {mib} MiB over {gbit:g} Gbit/s links "
                    f"between {ranks} nodes", measure=measure, context=(gbit, mib, ranks), tolerance=0.15, unit="ms",
