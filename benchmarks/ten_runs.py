@@ -26,7 +26,7 @@ import psutil
 
 from labkit import netns
 from labkit.course import Lab, select
-from labkit.runner import run_lab
+from labkit.runner import RunStopped, run_lab, stopped_by_signals
 
 
 def left_behind() -> list[str]:
@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     labs = select(args.labs)
     start = time.monotonic()
-    outcomes = run_course(labs, args.runs, args.out.resolve())
+    try:
+        with stopped_by_signals():   # SIGTERM stops the running lab's kernel, as `labkit run` does
+            outcomes = run_course(labs, args.runs, args.out.resolve())
+    except RunStopped as stopped:
+        print(f"{stopped}; nothing left behind: {not left_behind()}")
+        return 128 + stopped.signum
     table = summary(labs, outcomes)
     print(f"\n{table}\n\n{args.runs} run(s) of {len(labs)} lab(s) in {(time.monotonic() - start) / 60:.0f} min")
     (args.out / "summary.md").write_text(table + "\n")

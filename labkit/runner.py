@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import html
 import os
 import queue
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,17 +237,26 @@ def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None, learner:
     """Run ``labs`` in order; on SIGTERM or SIGINT stop, report what finished, raise :class:`RunStopped`."""
     out = check_out_dir(out)
     runs: list[LabRun] = []
+    try:
+        with stopped_by_signals():
+            for lab in labs:
+                runs.append(run_lab(lab, out, profile=profile))
+    finally:
+        write_report(runs, out, learner=learner)
+    return runs
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Inside, SIGTERM and SIGINT raise :class:`RunStopped`, so :func:`run_lab` stops its kernel cleanly."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:
         signal.signal(sig, _raise_stop)
     try:
-        for lab in labs:
-            runs.append(run_lab(lab, out, profile=profile))
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        write_report(runs, out, learner=learner)
-    return runs
 
 
 def _raise_stop(signum: int, _frame: object) -> None:
