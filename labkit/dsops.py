@@ -26,10 +26,22 @@ QUANTIZER_OP = "QuantizerBuilder"  # ZeRO++ qwZ/qgZ kernels, CUDA only
 
 
 def use_environment_extensions_dir() -> Path:
-    """Point ``TORCH_EXTENSIONS_DIR`` into this environment unless the user set it."""
+    """Point ``TORCH_EXTENSIONS_DIR`` into this environment unless the user set it, and use its ninja.
+
+    torch runs whichever ``ninja`` is first on ``PATH``, and two ninja versions
+    hash commands differently (pip's 1.13 and Debian's 1.11 here), so each reads
+    the other's build log as "command line changed" and rebuilds every op: a
+    run started from an activated venv and one started by the venv's python
+    alone rebuilt async_io inside a timed ZeRO launch, which then timed out.
+    The environment's own ninja, when it has one, goes first for this process
+    and the ranks it starts.
+    """
     default = Path(sys.prefix) / "torch_extensions"
     path = Path(os.environ.setdefault(ENV_VAR, str(default)))
     path.mkdir(parents=True, exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     return path
 
 

@@ -157,6 +157,28 @@ def test_extensions_dir_is_per_environment(monkeypatch):
     assert str(dsops.use_environment_extensions_dir()).startswith(sys.prefix)
 
 
+def test_ops_are_built_by_the_environments_own_ninja(monkeypatch, tmp_path):
+    """Two ninja versions read each other's build log as changed commands and rebuild every op."""
+    import shutil
+    import sys
+
+    env_bin = tmp_path / "venv" / "bin"
+    env_bin.mkdir(parents=True)
+    (env_bin / "ninja").write_text("#!/bin/sh\n")
+    (env_bin / "ninja").chmod(0o755)
+    other = tmp_path / "usr" / "bin"
+    other.mkdir(parents=True)
+    (other / "ninja").write_text("#!/bin/sh\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    monkeypatch.setenv("PATH", str(other))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    dsops.use_environment_extensions_dir()
+    assert shutil.which("ninja") == str(env_bin / "ninja")
+    dsops.use_environment_extensions_dir()
+    assert os.environ["PATH"].split(os.pathsep).count(str(env_bin)) == 1, "added once, not once per call"
+
+
 def test_gloo_ranks_build_cpu_ops_and_other_accelerators_are_refused():
     assert dsops.accelerator_for("gloo") == "cpu" and dsops.accelerator_for("nccl") is None
     assert type(dsops._builder(dsops.CPU_ADAM_OP, "cpu")).__module__.startswith("deepspeed.ops.op_builder.cpu")
