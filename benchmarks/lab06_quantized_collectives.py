@@ -1,7 +1,8 @@
 """Lab 6 targets: ZeRO-3 vs ZeRO++ on 2 nodes x 2 ranks of a labkit.fabric (real shaped links).
 
-Calls what the notebook calls (``zeropp_fabric.run``, ``bytes_table``, ``time_table``,
-``speedup``; ``zeropp_deepspeed.run`` with ``--deepspeed``) and checks the issue's targets:
+Calls what the notebook calls (``zeropp_fabric.run``; ``zeropp_model.bytes_table``, ``time_table``,
+``speedup`` and the rows' ``describe``; ``zeropp_deepspeed.run`` with ``--deepspeed``) and checks the
+issue's targets:
 - cross-node bytes from the links' kernel counters within 1% of the per-link model, every variant;
 - ZeRO++ (qwZ + hpZ + qgZ) / ZeRO-3 (bf16 on the wire) cross-node bytes <= 0.30;
 - at the slowest link and the small micro-batch ZeRO++ is faster, and the advantage shrinks as the
@@ -22,7 +23,7 @@ import os
 import sys
 import time
 
-from labkit import profile, zeropp_deepspeed, zeropp_fabric
+from labkit import profile, zeropp_deepspeed, zeropp_fabric, zeropp_model
 from labkit.devices import describe_machine
 
 
@@ -30,33 +31,28 @@ def one_run(rates: tuple[float, ...]) -> tuple[bool, float]:
     load = os.getloadavg()[0]
     start = time.perf_counter()
     r = zeropp_fabric.run(rates_gbit=rates)
-    print(f"\nlinks: {r['links']} ({r['links_reason']}); run took {time.perf_counter() - start:.0f} s, "
+    print(f"\n{r.describe()}\nrun took {time.perf_counter() - start:.0f} s, "
           f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
-    ok = True
     print("cross-node bytes per step, busiest link (M = 16-bit model bytes)")
-    rows = {row["variant"]: row for row in zeropp_fabric.bytes_table(r)}
+    rows = {row.variant: row for row in zeropp_model.bytes_table(r)}
     for row in rows.values():
-        print(f"  {row['variant']:12s} {row['multiple_of_M']:.3f}M (model {row['model_multiple_of_M']:.3f}M, "
-              f"x{row['payload_vs_model']:.4f}), wire/payload {row['wire_per_payload']:.4f}, "
-              f"vs ZeRO-3 {row['wire_vs_zero3']:.3f}")
-        ok &= 1.0 <= row["payload_vs_model"] <= 1.01
-    ok &= rows["ZeRO++"]["wire_vs_zero3"] <= 0.30
-    print(f"  ZeRO++ / ZeRO-3: {rows['ZeRO++']['wire_vs_zero3']:.3f} (target <= 0.30)")
+        print(" ", row.describe())
+    ok = all(1.0 <= row.payload_vs_model <= 1.01 for row in rows.values())
+    ok &= rows["ZeRO++"].wire_vs_zero3 <= 0.30
+    print(f"  ZeRO++ / ZeRO-3: {rows['ZeRO++'].wire_vs_zero3:.3f} (target <= 0.30)")
     print("ms per step (median, slowest rank) and the model")
-    table = zeropp_fabric.time_table(r)
+    table = zeropp_model.time_table(r)
     for t in table:
-        print(f"  {t['variant']:7s} batch {t['micro_batch']:4d} {t['rate_gbit']:5g} Gbit/s {t['step_ms']:8.1f} "
-              f"model {t['model_ms']:8.1f} x{t['measured_vs_model']:.2f}")
-    small = r["micro_batches"][0]
-    speedups = zeropp_fabric.speedup(r, small)
-    print(f"  speedup at micro-batch {small}: " + ", ".join(f"{s:.2f}x" for s in speedups)
-          + f"; at {r['micro_batches'][1]}: "
-          + ", ".join(f"{s:.2f}x" for s in zeropp_fabric.speedup(r, r["micro_batches"][1])))
+        print(" ", t.describe())
+    small = r.micro_batches[0]
+    for micro_batch in r.micro_batches:
+        print(" ", zeropp_model.speedup_text(r, micro_batch))
+    speedups = zeropp_model.speedup(r, small)
     ok &= speedups[0] > 1 and speedups[0] > speedups[-1]
-    slowest = next(t for t in table if t["variant"] == "ZeRO-3" and t["micro_batch"] == small
-                   and t["rate_gbit"] == r["rates_gbit"][0])
-    ok &= 0.7 <= slowest["measured_vs_model"] <= 1.15
-    return ok, slowest["measured_vs_model"]
+    slowest = next(t for t in table if t.variant == "ZeRO-3" and t.micro_batch == small
+                   and t.rate_gbit == r.rates_gbit[0])
+    ok &= 0.7 <= slowest.measured_vs_model <= 1.15
+    return ok, slowest.measured_vs_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,10 +71,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{min(ratios):.2f}-{max(ratios):.2f} (band 0.7-1.15)")
     if args.deepspeed:
         ds = zeropp_deepspeed.run()
-        for label, d in ds.items():
-            print(f"DeepSpeed {label:7s} ({d['links']}): cross-node {d['cross_node_bytes_per_step'] / (4 * d['num_params']):.3f}M"
-                  f"/step (fp32 M) {d['cross_node_ops']}; intra-node {d['intra_node_ops']}")
-        ok &= ds["hpZ"]["cross_node_bytes_per_step"] < 0.8 * ds["ZeRO-3"]["cross_node_bytes_per_step"]
+        for d in ds.values():
+            print("DeepSpeed", d.describe())
+        ok &= ds["hpZ"].cross_node_bytes_per_step < 0.8 * ds["ZeRO-3"].cross_node_bytes_per_step
     print("\nALL TARGETS MET" if ok else "\nSOME TARGETS MISSED")
     return 0 if ok else 1
 

@@ -21,13 +21,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from labkit import fabric, fault_plan, fleet_model, placement, placement_probe, profile, recovery, recovery_rank
+from labkit import (fabric, fault_plan, fleet_model, placement, placement_probe, profile, recovery, recovery_rank,
+                    recovery_report)
 from labkit.devices import describe_machine, load_average
 
 
-def recovery_from_kills(work: Path, kills: int, warm_standby: bool, steps_between_kills: int) -> list[dict]:
+def recovery_from_kills(work: Path, kills: int, warm_standby: bool,
+                        steps_between_kills: int) -> list[recovery_report.DetectionRow]:
     """Kills spaced so that a warm standby process has time to boot between them."""
     size = {**profile().pick(recovery.SIZES).train_kwargs(), "steps": (kills + 1) * steps_between_kills}
     plan = [fault_plan.Fault("kill", i % 2, (i + 1) * steps_between_kills + 5) for i in range(kills)]
@@ -68,7 +71,18 @@ def placement_on_fabric(repeats: int) -> None:
               f"(MODEL_BAND {placement_probe.MODEL_BAND})")
 
 
-def torchrun_restart(work: Path) -> dict:
+@dataclass(frozen=True)
+class TorchrunRestart:
+    """The torchrun path's outcome: it restarted (``attempts``) and ended on the supervisor's weights."""
+
+    returncode: int
+    wall_s: float
+    attempts: int
+    bit_identical: bool
+    stderr_tail: str
+
+
+def torchrun_restart(work: Path) -> TorchrunRestart:
     """The same entry point under torchrun --max-restarts: a kill, a restart, the same weights."""
     tiny = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
     recovery.supervise(work / "reference", world_size=2, spares=0, **tiny)
@@ -81,9 +95,9 @@ def torchrun_restart(work: Path) -> dict:
     )
     same = done.returncode == 0 and recovery_rank.bit_identical(
         recovery_rank.final_weights(work / "reference"), recovery_rank.final_weights(work / "torchrun"))
-    return {"returncode": done.returncode, "wall_s": time.time() - start,
-            "attempts": len(list((work / "torchrun").glob("attempt-*"))), "bit_identical": same,
-            "stderr_tail": "" if done.returncode == 0 else done.stderr[-2000:]}
+    return TorchrunRestart(returncode=done.returncode, wall_s=time.time() - start,
+                           attempts=len(list((work / "torchrun").glob("attempt-*"))), bit_identical=same,
+                           stderr_tail="" if done.returncode == 0 else done.stderr[-2000:])
 
 
 def main() -> None:
@@ -105,7 +119,7 @@ def main() -> None:
             rows = recovery_from_kills(work, args.kills, warm_standby, args.steps_between_kills)
             for row in rows:
                 print(row)
-            worst = max(row["recovery_s"] for row in rows)
+            worst = max(row.recovery_s for row in rows)
             kind = "warm standby processes" if warm_standby else "cold restarts (baseline, the default)"
             print(f"{kind}: killed rank -> next training step: worst {worst:.1f} s over {len(rows)} kills "
                   "(target <= 15 s)")

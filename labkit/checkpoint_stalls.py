@@ -14,7 +14,6 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -129,6 +128,13 @@ class TrainingRun:
     def mean_total_s(self) -> float:
         return sum(s.total_s for s in self.saves) / max(1, len(self.saves))
 
+    def describe(self) -> str:
+        """One line per run; the lab and its benchmark both print this one, so their figures compare."""
+        return (f"{self.kind:>5}: blocked {self.mean_blocked_s * 1e3:7.1f} ms/save, "
+                f"total {self.mean_total_s * 1e3:7.1f} ms/save, goodput {self.goodput:.3f} "
+                f"(useful {self.useful_s:.2f} s of {self.wall_s + self.drain_s:.2f} s wall, final write included), "
+                f"peak host memory added {self.peak_rss_added_bytes / 1e6:.0f} MB")
+
 
 def train_with_checkpoints(
     kind: str,
@@ -242,7 +248,40 @@ def _flat_rank_state(model, optimizer, rank: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, steps_between: int = 2) -> dict:
+@dataclass(frozen=True)
+class SaverCalls:
+    """One saver's calls on one rank, in seconds per call, the first (set-up) call included."""
+
+    blocked_s: list[float]
+    waited_s: list[float]
+    total_s: list[float]
+
+
+@dataclass(frozen=True)
+class RankSaves:
+    """What one rank measured: its shard's size and, per saver name, its calls."""
+
+    rank: int
+    state_bytes: int
+    savers: dict[str, SaverCalls]
+
+
+@dataclass(frozen=True)
+class SaverSummary:
+    """One saver over all ranks: the worst rank's first call, and its mean over the later calls.
+
+    The worst rank, because a synchronous training step waits for its slowest rank.
+    """
+
+    first_blocked_s: float
+    blocked_s: float
+    total_s: float
+
+
+SAVER_KINDS = ("sync", "async", "dcp_async")
+
+
+def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, steps_between: int = 2) -> RankSaves:
     """Rank function: the same shard saved by SyncSaver, AsyncSaver and DCP
     ``async_save`` (thread mode, its default) between real training steps.
 
@@ -250,6 +289,7 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
     apart (``waited_s``): ``blocked_s`` is then what the save call itself costs
     training, comparable across the three. The first call of each pays one-off
     set-up (allocating staging buffers; DCP's planning) and is reported as such.
+    The :class:`RankSaves` it returns pickles back over the launcher's pipe as it is.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -261,8 +301,9 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
     model, optimizer = make_model(state_mb_per_rank, seed=rank)
     position = 0
     _train_step(model, optimizer, position, "cpu")
-    results: dict[str, Any] = {"rank": rank, "state_bytes": savers.state_bytes(_flat_rank_state(model, optimizer, rank))}
-    for kind in ("sync", "async", "dcp_async"):
+    state_bytes = savers.state_bytes(_flat_rank_state(model, optimizer, rank))
+    calls: dict[str, SaverCalls] = {}
+    for kind in SAVER_KINDS:
         saver = savers.SAVERS[kind](root / kind / f"rank{rank}", keep=2) if kind in savers.SAVERS else None
         blocked, waited, total, future, done_at = [], [], [], None, {}
         dist.barrier()
@@ -292,21 +333,31 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
         else:
             future.result()
             total = [done_at[i] for i in range(saves)]
-        results[kind] = {"blocked_s": blocked, "waited_s": waited, "total_s": total}
+        calls[kind] = SaverCalls(blocked_s=blocked, waited_s=waited, total_s=total)
     dist.barrier()
-    return results
+    return RankSaves(rank=rank, state_bytes=state_bytes, savers=calls)
 
 
-def summarise_comparison(results: list[dict]) -> dict[str, dict[str, float]]:
-    """Per saver, over ranks: first-call blocking, and the worst rank's mean of the
+def summarise_comparison(results: list[RankSaves]) -> dict[str, SaverSummary]:
+    """Per saver name, over ranks: first-call blocking, and the worst rank's mean of the
     later calls (a step waits for its slowest rank)."""
-    summary = {}
-    for kind in ("sync", "async", "dcp_async"):
-        later = [sum(r[kind]["blocked_s"][1:]) / len(r[kind]["blocked_s"][1:]) for r in results]
-        totals = [sum(r[kind]["total_s"][1:]) / len(r[kind]["total_s"][1:]) for r in results]
-        summary[kind] = {
-            "first_blocked_s": max(r[kind]["blocked_s"][0] for r in results),
-            "blocked_s": max(later),
-            "total_s": max(totals),
-        }
-    return summary
+    def later_mean(values: list[float]) -> float:
+        return sum(values[1:]) / len(values[1:])
+
+    return {
+        kind: SaverSummary(
+            first_blocked_s=max(r.savers[kind].blocked_s[0] for r in results),
+            blocked_s=max(later_mean(r.savers[kind].blocked_s) for r in results),
+            total_s=max(later_mean(r.savers[kind].total_s) for r in results),
+        )
+        for kind in SAVER_KINDS
+    }
+
+
+def comparison_text(results: list[RankSaves], summary: dict[str, SaverSummary]) -> str:
+    """The comparison as the lab and its benchmark print it: one line per saver, worst rank."""
+    lines = [f"state per rank: {results[0].state_bytes / 1e6:.0f} MB on {len(results)} ranks"]
+    for kind, row in summary.items():
+        lines.append(f"{kind:>9}: first call blocked {row.first_blocked_s * 1e3:7.1f} ms, later calls blocked "
+                     f"{row.blocked_s * 1e3:7.1f} ms, save to commit {row.total_s * 1e3:7.1f} ms (worst rank)")
+    return "\n".join(lines)

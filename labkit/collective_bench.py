@@ -4,7 +4,8 @@
 nccl-tests way: algorithm and bus bandwidth); :func:`run_count_and_benchmark`
 also runs each operation once under a :class:`labkit.collectives.CommCounter` so
 the bytes the counter saw can be checked against the ring model
-(:func:`expected_message_bytes`).
+(:func:`expected_message_bytes`). Rank functions send back plain dictionaries;
+:func:`run_count_and_benchmark` turns each rank's into a :class:`RankCollectives`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from labkit.collectives import LINKS, OPS, CommCounter, bus_bandwidth_factor, check_op, counting_wrappers_removed
+from labkit.collectives import (LINKS, OPS, CommCounter, OpCount, bus_bandwidth_factor, check_op,
+                                counting_wrappers_removed, ring_bytes_per_rank)
 from labkit.launcher import rank_device
 from labkit.profiles import profile, require_at_least
 
@@ -41,6 +43,51 @@ SIZES = {
 }
 
 BENCHMARK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One collective at one message size: the slowest rank's mean time per call, and nccl-tests' bandwidths."""
+
+    op: str
+    message_bytes: int
+    time_us: float
+    algbw_gbytes_per_s: float
+    busbw_gbytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Every collective timed over the message-size sweep, on ``world_size`` ranks of ``backend``."""
+
+    backend: str
+    world_size: int
+    rows: tuple[BenchRow, ...]
+
+    def for_op(self, op: str) -> list[BenchRow]:
+        """``op``'s rows, smallest message first: latency-bound at the start, bandwidth-bound at the end."""
+        check_op(op)
+        return sorted((row for row in self.rows if row.op == op), key=lambda row: row.message_bytes)
+
+
+@dataclass(frozen=True)
+class CountedCalls:
+    """What one rank's :class:`CommCounter` saw, per op: calls, message bytes, ring bytes."""
+
+    rank: int
+    world_size: int
+    counts: dict[str, OpCount]
+    emulated_s: float
+    wall_s: float
+    wrappers_removed: bool
+
+
+@dataclass(frozen=True)
+class RankCollectives:
+    """One rank's share of :func:`run_count_and_benchmark`: its counted calls, and the (shared) benchmark."""
+
+    counted: CountedCalls
+    benchmark: Benchmark
 
 
 def _run_op(op: str, message_bytes: int, world_size: int, device: torch.device) -> Callable[[], None]:
@@ -185,7 +232,7 @@ def count_and_benchmark_rank(
     }
 
 
-def run_count_and_benchmark(world_size: int = 2, numel_per_rank: int = 3000, **kwargs: Any) -> list[dict[str, Any]]:
+def run_count_and_benchmark(world_size: int = 2, numel_per_rank: int = 3000, **kwargs: Any) -> list[RankCollectives]:
     """Launch :func:`count_and_benchmark_rank` on real ranks; every rank's result, in rank order."""
     from labkit.launcher import launch
 
@@ -193,7 +240,22 @@ def run_count_and_benchmark(world_size: int = 2, numel_per_rank: int = 3000, **k
         raise ValueError(f"world_size must be >= 2 to count collectives between ranks, got {world_size}")
     if numel_per_rank < 1:
         raise ValueError(f"numel_per_rank must be >= 1, got {numel_per_rank}")
-    return launch(count_and_benchmark_rank, world_size, backend=profile().backend_for(world_size), numel_per_rank=numel_per_rank, **kwargs)
+    results = launch(count_and_benchmark_rank, world_size, backend=profile().backend_for(world_size),
+                     numel_per_rank=numel_per_rank, **kwargs)
+    return [RankCollectives(_counted_calls(r["counted"]), _benchmark(r["benchmark"])) for r in results]
+
+
+def _counted_calls(counted: dict[str, Any]) -> CountedCalls:
+    return CountedCalls(rank=counted["rank"], world_size=counted["world_size"],
+                        counts={op: OpCount(**c) for op, c in counted["counts"].items()},
+                        emulated_s=counted["emulated_s"], wall_s=counted["wall_s"],
+                        wrappers_removed=counted["wrappers_removed"])
+
+
+def _benchmark(rows: list[dict[str, Any]]) -> Benchmark:
+    fields = ("op", "message_bytes", "time_us", "algbw_gbytes_per_s", "busbw_gbytes_per_s")
+    return Benchmark(backend=rows[0]["backend"], world_size=rows[0]["world_size"],
+                     rows=tuple(BenchRow(**{key: row[key] for key in fields}) for row in rows))
 
 
 def expected_message_bytes(op: str, numel_per_rank: int, world_size: int) -> int:
@@ -202,3 +264,24 @@ def expected_message_bytes(op: str, numel_per_rank: int, world_size: int) -> int
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return 4 * numel_per_rank * world_size
     return 4 * numel_per_rank
+
+
+def print_counts(lab: Sequence[RankCollectives], numel_per_rank: int) -> None:
+    """Per op: the message each rank issued, the ring model's bytes per rank, and what every rank's counter saw."""
+    n = lab[0].counted.world_size
+    for op in OPS:
+        message = expected_message_bytes(op, numel_per_rank, n)
+        model = ring_bytes_per_rank(op, message, n)
+        counted = [r.counted.counts[op].ring_bytes for r in lab]
+        calls = [r.counted.counts[op].calls for r in lab]
+        verdict = "MATCH" if all(c == model for c in counted) else "MISMATCH"
+        print(f"{op:>15}: message {message:>7} B  model {model:>7} B/rank  counted {counted} in {calls} calls  {verdict}")
+
+
+def print_benchmark(bench: Benchmark) -> None:
+    """The sweep as nccl-tests prints it: time per call, algorithm and bus bandwidth, per op and message size."""
+    print(f"{bench.backend} on {bench.world_size} ranks; algbw = bytes / time, busbw = algbw x the op's ring factor")
+    print(f"{'op':>15} {'bytes':>10} {'time_us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for row in bench.rows:
+        print(f"{row.op:>15} {row.message_bytes:>10} {row.time_us:>10.0f} "
+              f"{row.algbw_gbytes_per_s:>11.3f} {row.busbw_gbytes_per_s:>11.3f}")

@@ -33,8 +33,8 @@ from torch import nn
 
 from labkit.collectives import CommCounter, register_counting_hook
 from labkit.gradsync_links import LinkMode, emulated_link, link_mode, set_link_rate, uplink_bytes
-from labkit.gradsync_model import (MODES, UNSHAPED_GBIT, add_predictions, check_accumulation, ms_per_sample,
-                                   two_node_topology)
+from labkit.gradsync_model import (MODES, UNSHAPED_GBIT, GradSyncResult, check_accumulation, gradsync_result,
+                                   ms_per_sample, two_node_topology)
 from labkit.models import mlp
 from labkit.profiles import require_at_least
 
@@ -182,6 +182,8 @@ def train_rank(
 ) -> dict[str, Any]:
     """Rank function: one rank alone, then both DDP modes at every link rate, then DeepSpeed's counts.
 
+    A plain dictionary crosses the pipe; :func:`run_experiment` makes every rank's one :class:`GradSyncResult`.
+
     With ``links`` (a fabric's ``links``), rank 0 reshapes the real links before
     each rate; without, the counter sleeps the modelled time (emulation). One
     launch runs everything because each launch costs seconds of imports. Rank 0
@@ -216,7 +218,6 @@ def train_rank(
             rows.append({"rate_gbit": rate_gbit, "mode": mode, "accumulation": accumulation,
                          **_measure_mode(STEP_FNS[mode], ddp, optimizer, counter, sizes, device, rank, world_size)})
     result["rows"] = rows
-    result["ddp_wall_s"] = time.perf_counter() - started
     if deepspeed_stages:
         from labkit.gradsync_deepspeed import deepspeed_counts
 
@@ -301,13 +302,14 @@ def run_experiment(
     sizes: GradSyncSizes | None = None,
     timeout_s: float = 300.0,
     mode: LinkMode | None = None,
-) -> dict[str, Any]:
+) -> GradSyncResult:
     """Launch :func:`train_rank` on ``world_size`` ranks, one per node, over links at each rate.
 
     Real shaped links when :func:`link_mode` says ``"namespaces"`` (one fabric,
     reshaped per rate), else the sleep emulation. Returns rank 0's measurements
     with every rank's byte counts, the mode, and the model's prediction beside
-    each row (:func:`add_predictions`). Validates every argument before any rank starts.
+    each row (:func:`labkit.gradsync_model.gradsync_result`). Validates every
+    argument before any rank starts.
     """
     from labkit import dsops
     from labkit.launcher import launch
@@ -339,10 +341,4 @@ def run_experiment(
                              links=fab.links, **kwargs)
     else:
         results = launch(train_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)
-    result = {**results[0], "mode": mode.mode, "mode_label": mode.label, "reason": mode.reason, "sizes": chosen}
-    for i, row in enumerate(result["rows"]):
-        for key in ("tx_bytes_per_step", "wire_bytes_per_step"):
-            row[f"{key}_by_rank"] = [r["rows"][i][key] for r in results]
-    return add_predictions(result)
-
-
+    return gradsync_result(results, chosen, mode)

@@ -8,6 +8,7 @@ stage by stage, on the same model and data as :mod:`labkit.gradsync`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -16,6 +17,23 @@ from torch import nn
 from labkit.collectives import CommCounter
 from labkit.gradsync import make_model, micro_batches, param_bytes
 from labkit.gradsync_model import check_accumulation
+
+
+@dataclass(frozen=True)
+class DeepSpeedCounts:
+    """The collectives one ZeRO stage issued: per optimizer step (calls and bytes, by op) and per micro-step.
+
+    Keyed by op name (``"all_reduce"``, ``"all_gather"``, ...) because which ops a
+    stage issues is what the lab looks at; ops it never issued are left out.
+    """
+
+    stage: int
+    accumulation: int
+    parameter_bytes: int
+    calls_per_optimizer_step: dict[str, int]
+    message_bytes_per_optimizer_step: dict[str, int]
+    ring_bytes_per_optimizer_step: dict[str, int]
+    calls_per_micro_step: list[dict[str, int]]
 
 
 def deepspeed_config(stage: int, accumulation: int, micro_batch: int) -> dict[str, Any]:
@@ -41,7 +59,7 @@ def deepspeed_config(stage: int, accumulation: int, micro_batch: int) -> dict[st
 
 def deepspeed_counts(
     stages: Sequence[int], accumulation: int, hidden: int, layers: int, micro_batch: int
-) -> list[dict[str, Any]]:
+) -> list[DeepSpeedCounts]:
     """Count the collectives DeepSpeed issues per micro-step and per optimizer step, stage by stage.
 
     The counter is active before ``deepspeed.init_distributed``: DeepSpeed's comm
@@ -59,7 +77,7 @@ def deepspeed_counts(
 
 def stage_counts(
     counter: CommCounter, stage: int, accumulation: int, hidden: int, layers: int, micro_batch: int
-) -> dict[str, Any]:
+) -> DeepSpeedCounts:
     import deepspeed
 
     model = make_model(hidden, layers)
@@ -78,12 +96,20 @@ def stage_counts(
             if step == 1:
                 per_micro_step.append({op: c.calls - before[op] for op, c in counter.counts.items() if c.calls - before[op]})
     del engine
-    return {
-        "stage": stage,
-        "accumulation": accumulation,
-        "parameter_bytes": param_bytes(model),
-        "calls_per_optimizer_step": {op: c.calls for op, c in counter.counts.items() if c.calls},
-        "message_bytes_per_optimizer_step": {op: c.message_bytes for op, c in counter.counts.items() if c.calls},
-        "ring_bytes_per_optimizer_step": {op: c.ring_bytes for op, c in counter.counts.items() if c.calls},
-        "calls_per_micro_step": per_micro_step,
-    }
+    issued = {op: c for op, c in counter.counts.items() if c.calls}
+    return DeepSpeedCounts(
+        stage=stage,
+        accumulation=accumulation,
+        parameter_bytes=param_bytes(model),
+        calls_per_optimizer_step={op: c.calls for op, c in issued.items()},
+        message_bytes_per_optimizer_step={op: c.message_bytes for op, c in issued.items()},
+        ring_bytes_per_optimizer_step={op: c.ring_bytes for op, c in issued.items()},
+        calls_per_micro_step=per_micro_step,
+    )
+
+
+def print_stage_counts(counts: Sequence[DeepSpeedCounts]) -> None:
+    """Each stage's collectives, per micro-step of one window, then per optimizer step with their bytes."""
+    for ds in counts:
+        print(f"ZeRO stage {ds.stage}: per micro-step {ds.calls_per_micro_step}; "
+              f"per optimizer step {ds.calls_per_optimizer_step}, bytes {ds.message_bytes_per_optimizer_step}")

@@ -4,16 +4,24 @@ One optimizer step costs one rank's compute plus, for every gradient sync, a rin
 all-reduce of the whole gradient over the link (:func:`predicted_step_s`): syncing
 every micro-batch pays it ``accumulation`` times, delayed sync once. The model
 knows nothing of DDP's overlap or of gloo's own CPU work, so where a measurement
-(:mod:`labkit.gradsync`) exceeds it, that is what the model leaves out. Pure
-functions over the result dictionaries, so tests call them without ranks.
+(:mod:`labkit.gradsync`) exceeds it, that is what the model leaves out. The ranks
+send back plain dictionaries; :func:`gradsync_result` turns them, once, into a
+:class:`GradSyncResult` whose rows (:class:`SyncRow`) carry the model beside each
+measurement; it is pure, so tests call it without ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Sequence
 
 from labkit.collectives import ring_bytes_per_rank
+from labkit.gradsync_links import LinkMode
 from labkit.topology import Topology, gbit_to_bytes_per_s, predicted_s
+
+if TYPE_CHECKING:
+    from labkit.gradsync import GradSyncSizes
+    from labkit.gradsync_deepspeed import DeepSpeedCounts
 
 UNSHAPED_GBIT = 100.0
 """A rate no link here comes near: gloo moves well under 10 Gbit/s between two CPU
@@ -86,41 +94,136 @@ def framing(wire_bytes: int, payload_bytes: int) -> float | None:
     return wire_bytes / payload_bytes if wire_bytes > 0 else None
 
 
-def add_predictions(result: dict[str, Any]) -> dict[str, Any]:
-    """Beside every measured row, what the model predicts: ms per sample, ring bytes per step, the ratio.
+@dataclasses.dataclass(frozen=True)
+class SingleDevice:
+    """One rank training alone, no communication: the step time data parallelism is measured against."""
 
-    Framing (wire bytes per payload byte) is measured over the whole run: what
-    the shapers sent against the ring bytes the counter saw. Without shapers it
-    is ``None`` and the model uses 1.0.
+    step_s: float
+    ms_per_sample: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRow:
+    """One sync mode at one link rate: what the ranks measured per optimizer step, and the model beside it.
+
+    Times are the slowest rank's; calls and counted bytes are rank 0's (every
+    rank issues the same collectives); bytes the kernel counted leaving each node
+    are kept per rank, because each node has its own uplink.
     """
-    n, micro_batch = result["world_size"], result["sizes"].micro_batch
-    rows = result["rows"]
-    wire = sum(sum(row["wire_bytes_per_step_by_rank"]) for row in rows)
-    payload = sum(n * row["ring_bytes_per_step"] for row in rows)
-    result["wire_bytes_per_payload_byte"] = framing(int(wire), int(payload)) if payload else None
-    compute_s = result["single_device"]["step_s"]
-    for row in rows:
-        syncs = syncs_per_step(row["mode"], row["accumulation"])
-        topology = two_node_topology(n, row["rate_gbit"])
-        model_s = predicted_step_s(compute_s, syncs, result["gradient_bytes"], topology,
-                                   result["wire_bytes_per_payload_byte"] or 1.0)
-        row["model_ms_per_sample"] = ms_per_sample(model_s, n, row["accumulation"], micro_batch)
-        row["model_link_share"] = 1 - compute_s / model_s
-        row["measured_over_model"] = row["ms_per_sample"] / row["model_ms_per_sample"]
-        row["model_ring_bytes_per_step"] = predicted_ring_bytes_per_step(result["gradient_bytes"], n, syncs)
-    return result
+
+    rate_gbit: float
+    mode: str
+    accumulation: int
+    step_s: float
+    ms_per_sample: float
+    all_reduce_calls_per_step: float
+    all_reduce_bytes_per_step: float
+    ring_bytes_per_step: float
+    tx_bytes_per_step_by_rank: tuple[float, ...]
+    wire_bytes_per_step_by_rank: tuple[float, ...]
+    emulated_s_per_step: float
+    final_loss: float
+    model_ms_per_sample: float
+    model_link_share: float
+    model_ring_bytes_per_step: int
+
+    @property
+    def tx_bytes_per_step(self) -> float:
+        """TCP payload rank 0's node sent per step (0 where no fabric counts it)."""
+        return self.tx_bytes_per_step_by_rank[0]
+
+    @property
+    def wire_bytes_per_step(self) -> float:
+        """Bytes rank 0's shaper charged per step, headers included (0 where nothing is shaped)."""
+        return self.wire_bytes_per_step_by_rank[0]
+
+    @property
+    def measured_over_model(self) -> float:
+        return self.ms_per_sample / self.model_ms_per_sample
 
 
-def sent_over_model(result: dict[str, Any]) -> float:
-    """TCP payload the nodes' interfaces sent over the whole run / what the ring model says they carried.
+@dataclasses.dataclass(frozen=True)
+class GradSyncResult:
+    """One Lab 5 run: every (rate, mode) row, one rank alone, DeepSpeed's counts, and which links ran.
 
-    Headers are subtracted (:class:`labkit.fabric.LinkBytes`), so what is left
-    above 1 is gloo's own small messages, and resends if a shaper ever dropped.
+    ``wire_bytes_per_payload_byte`` (the framing) is measured over the whole run,
+    what the shapers sent against the ring bytes the counter saw; without shapers
+    it is ``None`` and the model uses 1.0.
     """
-    n = result["world_size"]
-    sent = sum(sum(row["tx_bytes_per_step_by_rank"]) for row in result["rows"])
-    model = sum(n * row["model_ring_bytes_per_step"] for row in result["rows"])
-    return sent / model
+
+    world_size: int
+    sizes: GradSyncSizes
+    link_mode: LinkMode
+    single_device: SingleDevice
+    gradient_bytes: int
+    same_update_max_diff: float
+    wire_bytes_per_payload_byte: float | None
+    rows: tuple[SyncRow, ...]
+    deepspeed: tuple[DeepSpeedCounts, ...] = ()
+    wall_s: float = 0.0
+
+    @property
+    def mode_label(self) -> str:
+        return self.link_mode.label
+
+    @property
+    def real_links(self) -> bool:
+        """True when gloo's bytes crossed a fabric's links, so times are evidence; False under the sleep emulation."""
+        return self.link_mode.mode == "namespaces"
+
+    def row(self, rate_gbit: float, mode: str) -> SyncRow:
+        """The one row measured at ``rate_gbit`` in sync ``mode``."""
+        found = [row for row in self.rows if row.rate_gbit == rate_gbit and row.mode == mode]
+        if len(found) != 1:
+            raise KeyError(f"expected one row at {rate_gbit:g} Gbit/s in mode {mode!r}, found {len(found)}; "
+                           f"rates measured: {sorted({row.rate_gbit for row in self.rows})}")
+        return found[0]
+
+    def sent_over_model(self) -> float:
+        """TCP payload the nodes' interfaces sent over the whole run / what the ring model says they carried.
+
+        Headers are subtracted (:class:`labkit.fabric.LinkBytes`), so what is left
+        above 1 is gloo's own small messages, and resends if a shaper ever dropped.
+        """
+        sent = sum(sum(row.tx_bytes_per_step_by_rank) for row in self.rows)
+        return sent / sum(self.world_size * row.model_ring_bytes_per_step for row in self.rows)
+
+
+def gradsync_result(ranks: Sequence[dict[str, Any]], sizes: GradSyncSizes, link_mode: LinkMode) -> GradSyncResult:
+    """Every rank's measurements (the dicts :func:`labkit.gradsync.train_rank` returns), as one result with the model.
+
+    Rank 0's rows, each with every rank's kernel byte counts and what the model
+    predicts beside it. Pure: tests build ``ranks`` by hand.
+    """
+    first, n = ranks[0], len(ranks)
+    per_node = ("tx_bytes_per_step", "wire_bytes_per_step")
+    measured = [{**{key: value for key, value in row.items() if key not in per_node},
+                 **{f"{key}_by_rank": tuple(r["rows"][i][key] for r in ranks) for key in per_node}}
+                for i, row in enumerate(first["rows"])]
+    wire = sum(sum(row["wire_bytes_per_step_by_rank"]) for row in measured)
+    payload = sum(n * row["ring_bytes_per_step"] for row in measured)
+    framed = framing(int(wire), int(payload)) if payload else None
+    single = SingleDevice(**first["single_device"])
+    rows = tuple(_predicted_row(row, single.step_s, first["gradient_bytes"], n, sizes.micro_batch, framed or 1.0)
+                 for row in measured)
+    return GradSyncResult(
+        world_size=n, sizes=sizes, link_mode=link_mode, single_device=single, gradient_bytes=first["gradient_bytes"],
+        same_update_max_diff=first["same_update_max_diff"], wire_bytes_per_payload_byte=framed, rows=rows,
+        deepspeed=tuple(first.get("deepspeed", ())), wall_s=first.get("wall_s", 0.0))
+
+
+def _predicted_row(measured: dict[str, Any], compute_s: float, gradient_bytes: int, world_size: int,
+                   micro_batch: int, wire_bytes_per_payload_byte: float) -> SyncRow:
+    """One measured row and, beside it, what the model predicts: ms per sample, the link's share, ring bytes."""
+    syncs = syncs_per_step(measured["mode"], measured["accumulation"])
+    topology = two_node_topology(world_size, measured["rate_gbit"])
+    model_s = predicted_step_s(compute_s, syncs, gradient_bytes, topology, wire_bytes_per_payload_byte)
+    return SyncRow(
+        **measured,
+        model_ms_per_sample=ms_per_sample(model_s, world_size, measured["accumulation"], micro_batch),
+        model_link_share=1 - compute_s / model_s,
+        model_ring_bytes_per_step=predicted_ring_bytes_per_step(gradient_bytes, world_size, syncs),
+    )
 
 
 def predicted_ring_bytes_per_step(gradient_bytes: int, world_size: int, syncs_per_step: int) -> int:
@@ -128,56 +231,48 @@ def predicted_ring_bytes_per_step(gradient_bytes: int, world_size: int, syncs_pe
     return syncs_per_step * ring_bytes_per_rank("all_reduce", gradient_bytes, world_size)
 
 
-def find_row(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any]:
-    """The one measurement row whose fields equal ``match``."""
-    found = [row for row in rows if all(row.get(k) == v for k, v in match.items())]
-    if len(found) != 1:
-        raise KeyError(f"expected one row matching {match}, found {len(found)}")
-    return found[0]
-
-
 def rate_label(rate_gbit: float) -> str:
     return f"{rate_gbit:g} Gbit/s" + (" (~unshaped)" if rate_gbit >= UNSHAPED_GBIT else "")
 
 
-def print_table(result: dict[str, Any]) -> None:
+def print_table(result: GradSyncResult) -> None:
     """The measured table beside the model: ms per sample, and bytes per optimizer step on rank 0's link."""
-    framed = result["wire_bytes_per_payload_byte"]
-    print(f"links: {result['mode_label']}")
-    print(f"one rank alone: {result['single_device']['ms_per_sample']:.3f} ms/sample (measured, no communication); "
+    framed = result.wire_bytes_per_payload_byte
+    print(f"links: {result.mode_label}")
+    print(f"one rank alone: {result.single_device.ms_per_sample:.3f} ms/sample (measured, no communication); "
           f"framing {'%.4f wire bytes per payload byte (measured)' % framed if framed else 'not measured (no shaper)'}")
     if framed:
-        print(f"bytes the nodes sent / ring model, whole run: {sent_over_model(result):.4f}")
+        print(f"bytes the nodes sent / ring model, whole run: {result.sent_over_model():.4f}")
     print(f"{'rate':>22} {'mode':>22} {'meas ms/sample':>14} {'model':>8} {'ratio':>6} "
           f"{'link share':>10} {'counted B/step':>14} {'tx B/step':>11} {'wire B/step':>11} {'model B/step':>12}")
-    for row in result["rows"]:
-        print(f"{rate_label(row['rate_gbit']):>22} {row['mode']:>22} {row['ms_per_sample']:>14.3f} "
-              f"{row['model_ms_per_sample']:>8.3f} {row['measured_over_model']:>6.2f} {row['model_link_share']:>10.2f} "
-              f"{row['ring_bytes_per_step']:>14.0f} {row['tx_bytes_per_step']:>11.0f} {row['wire_bytes_per_step']:>11.0f} "
-              f"{row['model_ring_bytes_per_step']:>12.0f}")
+    for row in result.rows:
+        print(f"{rate_label(row.rate_gbit):>22} {row.mode:>22} {row.ms_per_sample:>14.3f} "
+              f"{row.model_ms_per_sample:>8.3f} {row.measured_over_model:>6.2f} {row.model_link_share:>10.2f} "
+              f"{row.ring_bytes_per_step:>14.0f} {row.tx_bytes_per_step:>11.0f} {row.wire_bytes_per_step:>11.0f} "
+              f"{row.model_ring_bytes_per_step:>12.0f}")
 
 
-def scaling_plot(result: dict[str, Any]):
+def scaling_plot(result: GradSyncResult):
     """Milliseconds per sample per link rate: bars are measured, black markers are the model."""
     from labkit.plots import BASELINE, FIX, WARN, figure
 
-    rows, n = result["rows"], result["world_size"]
-    rates = list(dict.fromkeys(row["rate_gbit"] for row in rows))
+    rates = list(dict.fromkeys(row.rate_gbit for row in result.rows))
     fig, (ax,) = figure(1, width=9, height=4.2)
     width = 0.27
     xs = list(range(len(rates)))
-    ax.bar([x - width for x in xs], [result["single_device"]["ms_per_sample"]] * len(rates), width,
+    ax.bar([x - width for x in xs], [result.single_device.ms_per_sample] * len(rates), width,
            color=BASELINE, label="1 rank alone (measured)")
     for offset, mode, color, name in ((0.0, "sync_every_micro_step", WARN, "sync every micro-batch"),
                                       (width, "delayed_sync", FIX, "delayed sync")):
-        picked = [find_row(rows, rate_gbit=rate, mode=mode) for rate in rates]
+        picked = [result.row(rate, mode) for rate in rates]
         at = [x + offset for x in xs]
-        ax.bar(at, [r["ms_per_sample"] for r in picked], width, color=color, label=f"{n} ranks, {name} (measured)")
-        ax.plot(at, [r["model_ms_per_sample"] for r in picked], "kD", markersize=6, linestyle="none",
+        ax.bar(at, [r.ms_per_sample for r in picked], width, color=color,
+               label=f"{result.world_size} ranks, {name} (measured)")
+        ax.plot(at, [r.model_ms_per_sample for r in picked], "kD", markersize=6, linestyle="none",
                 label="model" if mode == MODES[0] else None)
     ax.set_xticks(xs, [rate_label(rate) for rate in rates])
     ax.set_yscale("log")
     ax.set_ylabel("ms per sample (lower is better)")
-    ax.set_title(f"Data parallelism over {result['mode_label']}", fontsize=10)
+    ax.set_title(f"Data parallelism over {result.mode_label}", fontsize=10)
     ax.legend(fontsize=8)
     return fig

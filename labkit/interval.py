@@ -97,7 +97,6 @@ def plan_interval(checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.
     )
 
 
-
 def plan_text(seconds_per_gb: dict[str, float], state_gb: float, mtbf_h: float, restart_min: float) -> str:
     """One line per saver: its checkpoint cost at ``state_gb`` and the plan :func:`plan_interval` makes of it."""
     lines = []
@@ -120,6 +119,7 @@ def plan_widget(seconds_per_gb: dict[str, float]):
         "restart_min": widgets.FloatSlider(value=10.0, min=0.0, max=60.0, step=1.0, description="restart min"),
     }
     return live(lambda **values: plan_text(seconds_per_gb, **values), controls)
+
 
 def restore_time_s(state_bytes: float, read_bytes_per_s: float, startup_s: float = 0.0) -> float:
     """A *model* for the restore-cache proposal, nothing implemented: restart time is
@@ -165,30 +165,40 @@ def simulate_goodput(
     return segments * interval_s / wall_s
 
 
+@dataclass(frozen=True)
+class SweepPoint:
+    """Goodput at ``factor`` times the Young/Daly interval: simulated failures beside the first-order model."""
+
+    factor: float
+    interval_s: float
+    simulated_goodput: float
+    model_goodput: float
+
+
 def interval_sweep(
     *, checkpoint_cost_s: float, restart_s: float, mtbf_s: float, work_s: float,
     factors: Sequence[float] = (1 / 64, 1 / 16, 1 / 4, 1, 4, 16, 64), seed: int = 0,
-) -> list[dict[str, float]]:
+) -> list[SweepPoint]:
     """Goodput at multiples of the Young/Daly interval: simulated and the first-order model."""
     optimum_s = young_daly_interval_s(checkpoint_cost_s, mtbf_s)
     return [
-        {"factor": f, "interval_s": f * optimum_s,
-         "simulated_goodput": simulate_goodput(f * optimum_s, checkpoint_cost_s=checkpoint_cost_s,
-                                               restart_s=restart_s, mtbf_s=mtbf_s, work_s=work_s, seed=seed),
-         "model_goodput": goodput_fraction(f * optimum_s, checkpoint_cost_s, mtbf_s, restart_s)}
+        SweepPoint(factor=f, interval_s=f * optimum_s,
+                   simulated_goodput=simulate_goodput(f * optimum_s, checkpoint_cost_s=checkpoint_cost_s,
+                                                      restart_s=restart_s, mtbf_s=mtbf_s, work_s=work_s, seed=seed),
+                   model_goodput=goodput_fraction(f * optimum_s, checkpoint_cost_s, mtbf_s, restart_s))
         for f in factors
     ]
 
 
-def plot_interval_sweep(sweep: list[dict[str, float]]):
+def plot_interval_sweep(sweep: list[SweepPoint]):
     """Goodput against the interval: the simulation as points, the first-order model as a dashed line."""
     from labkit import plots
 
     fig, (ax,) = plots.figure(1)
-    xs = [row["interval_s"] for row in sweep]
-    ax.plot(xs, [row["model_goodput"] for row in sweep], "--", color=plots.BASELINE, label="Young/Daly first-order model")
-    ax.plot(xs, [row["simulated_goodput"] for row in sweep], "o-", color=plots.FIX, label="simulated failures")
-    optimum = next(row["interval_s"] for row in sweep if row["factor"] == 1)
+    xs = [point.interval_s for point in sweep]
+    ax.plot(xs, [point.model_goodput for point in sweep], "--", color=plots.BASELINE, label="Young/Daly first-order model")
+    ax.plot(xs, [point.simulated_goodput for point in sweep], "o-", color=plots.FIX, label="simulated failures")
+    optimum = next(point.interval_s for point in sweep if point.factor == 1)
     ax.axvline(optimum, color=plots.GOOD, lw=1, label="sqrt(2 x cost x MTBF)")
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (s of work)")

@@ -121,6 +121,29 @@ class RecoveryCosts:
 
 
 @dataclass(frozen=True)
+class PolicySummary:
+    """The fleet-level figures of one policy's run, the ones the lab compares across policies."""
+
+    policy: str
+    mean_completion_h: float
+    comm_heavy_completion_h: float
+    mean_queue_delay_h: float
+    utilisation: float
+    jobs_per_day: float
+    jobs_spanning_zones: int
+    jobs_spanning_clusters: int
+    failures: int
+
+    def describe(self) -> str:
+        """One line, rounded to what a simulator's figures are worth."""
+        return (f"{self.policy}: completion {self.mean_completion_h:.3f} h (comm-heavy "
+                f"{self.comm_heavy_completion_h:.3f} h), queueing {self.mean_queue_delay_h:.3f} h, "
+                f"utilisation {self.utilisation:.3f}, {self.jobs_per_day:.1f} jobs/day, "
+                f"{self.jobs_spanning_zones} jobs across zones, {self.jobs_spanning_clusters} across clusters, "
+                f"{self.failures} failures")
+
+
+@dataclass(frozen=True)
 class SimulationResult:
     """Per-job outcomes of one policy, plus the fleet-level figures."""
 
@@ -161,18 +184,18 @@ class SimulationResult:
         mask = np.ones(self.finish_s.size, bool) if profile is None else self.profile == profile
         return float(self.completion_s[mask].mean() / 3600)
 
-    def summary(self) -> dict[str, float | str]:
-        return {
-            "policy": self.policy,
-            "mean_completion_h": self.mean_completion_h(),
-            "comm_heavy_completion_h": self.mean_completion_h("comm-heavy"),
-            "mean_queue_delay_h": float(self.queue_delay_s.mean() / 3600),
-            "utilisation": self.utilisation,
-            "jobs_per_day": self.jobs_per_day,
-            "jobs_spanning_zones": int(np.isin(self.scope, ["cluster", "fleet"]).sum()),
-            "jobs_spanning_clusters": int((self.scope == "fleet").sum()),
-            "failures": int(self.failures.sum()),
-        }
+    def summary(self) -> PolicySummary:
+        return PolicySummary(
+            policy=self.policy,
+            mean_completion_h=self.mean_completion_h(),
+            comm_heavy_completion_h=self.mean_completion_h("comm-heavy"),
+            mean_queue_delay_h=float(self.queue_delay_s.mean() / 3600),
+            utilisation=self.utilisation,
+            jobs_per_day=self.jobs_per_day,
+            jobs_spanning_zones=int(np.isin(self.scope, ["cluster", "fleet"]).sum()),
+            jobs_spanning_clusters=int((self.scope == "fleet").sum()),
+            failures=int(self.failures.sum()),
+        )
 
 
 def _validate_jobs(fleet: Fleet, jobs: Sequence[Job], usable_gpus_per_cluster: np.ndarray) -> None:
@@ -340,13 +363,13 @@ def plot_policies(results: dict[str, SimulationResult]):
     labels = list(results)
     colors = [plots.BASELINE if name == "first-fit-anywhere" else plots.FIX for name in labels]
     summaries = [results[name].summary() for name in labels]
-    plots.bars(axes[0], labels, [s["comm_heavy_completion_h"] for s in summaries], colors=colors,
+    plots.bars(axes[0], labels, [s.comm_heavy_completion_h for s in summaries], colors=colors,
                fmt="{:.1f}", ylabel="hours", title="comm-heavy job completion time")
-    plots.bars(axes[1], labels, [s["mean_queue_delay_h"] for s in summaries], colors=colors,
+    plots.bars(axes[1], labels, [s.mean_queue_delay_h for s in summaries], colors=colors,
                fmt="{:.2f}", ylabel="hours", title="mean queueing delay")
-    plots.bars(axes[2], labels, [s["utilisation"] for s in summaries], colors=colors,
+    plots.bars(axes[2], labels, [s.utilisation for s in summaries], colors=colors,
                fmt="{:.2f}", ylabel="fraction", title="fleet utilisation")
-    plots.bars(axes[3], labels, [s["jobs_per_day"] for s in summaries], colors=colors,
+    plots.bars(axes[3], labels, [s.jobs_per_day for s in summaries], colors=colors,
                fmt="{:.0f}", ylabel="jobs/day", title="completed jobs per day")
     fig.suptitle("Fleet placement simulator (simulated, not measured)")
     fig.tight_layout()

@@ -303,7 +303,8 @@ def _check_aligned(numel: int, *, bits: int, block_size: int, what: str) -> None
 
 @dataclass(frozen=True)
 class StepCommBytes:
-    """Cross-node bytes one rank moves per training step, by phase."""
+    """Cross-node bytes of one training step, by phase: one rank's in the paper's accounting
+    (:func:`zero_step_comm_bytes`), one node uplink's on a fabric (:func:`labkit.zeropp_model.uplink_payload_model`)."""
 
     forward_allgather: float
     backward_allgather: float

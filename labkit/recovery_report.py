@@ -9,11 +9,11 @@ Young/Daly model, fed with the same run's costs, beside it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from labkit.fault_plan import Fault
+
 
 @dataclass(frozen=True)
 class Detection:
@@ -66,6 +66,41 @@ class GoodputBreakdown:
         return {"useful steps": self.useful_s, "lost work (redone)": self.lost_work_s,
                 "restart": self.restart_s, "checkpoint": self.checkpoint_s,
                 "first start": self.startup_s, "other": self.other_s}
+
+
+@dataclass(frozen=True)
+class DetectionRow:
+    """One detection as the lab tabulates it: who was blamed, who replaced them, how long it all took."""
+
+    attempt: int
+    cause: str
+    rank: int
+    node_cordoned: str
+    replaced_by: str | None
+    fault_id: str | None
+    detect_s: float | None
+    recovery_s: float | None
+    resumed_from_step: int | None
+
+
+@dataclass(frozen=True)
+class ModelBesideMeasured:
+    """The Young/Daly model fed with one run's measured costs (seconds), beside what the run measured."""
+
+    step_s: float
+    interval_s: float
+    checkpoint_cost_s: float
+    mtbf_s: float
+    restart_s: float
+    young_daly_interval_s: float
+    model_goodput: float
+    measured_goodput: float
+    model_lost_per_failure_s: float
+    measured_lost_per_failure_s: float
+
+    def describe(self) -> str:
+        """One line per figure, the model's next to the measured one, so the pairs read side by side."""
+        return "\n".join(f"{f.name:>30}: {getattr(self, f.name):.4g}" for f in fields(self))
 
 
 @dataclass
@@ -121,18 +156,18 @@ class RunReport:
                 out.append(nxt.t_first_step_end - (det.t_fault if det.t_fault is not None else det.t_detect))
         return out
 
-    def detection_table(self) -> list[dict[str, Any]]:
+    def detection_table(self) -> list[DetectionRow]:
         rows = []
         for det in self.detections:
             nxt = self.next_attempt(det)
-            rows.append({
-                "attempt": det.attempt, "cause": det.cause, "rank": det.rank, "node cordoned": det.node,
-                "replaced by": nxt.nodes[det.rank] if nxt else None, "fault": det.fault_id,
-                "detect_s": round(det.t_detect - det.t_fault, 2) if det.t_fault else None,
-                "recovery_s": round(nxt.t_first_step_end - (det.t_fault or det.t_detect), 2)
+            rows.append(DetectionRow(
+                attempt=det.attempt, cause=det.cause, rank=det.rank, node_cordoned=det.node,
+                replaced_by=nxt.nodes[det.rank] if nxt else None, fault_id=det.fault_id,
+                detect_s=round(det.t_detect - det.t_fault, 2) if det.t_fault else None,
+                recovery_s=round(nxt.t_first_step_end - (det.t_fault or det.t_detect), 2)
                 if nxt and nxt.t_first_step_end else None,
-                "resumed_from_step": nxt.restored_step if nxt else None,
-            })
+                resumed_from_step=nxt.restored_step if nxt else None,
+            ))
         return rows
 
 
@@ -172,7 +207,7 @@ def breakdown(report: RunReport) -> GoodputBreakdown:
     )
 
 
-def model_beside_measured(report: RunReport, breakdown: GoodputBreakdown, checkpoint_every: int) -> dict[str, float]:
+def model_beside_measured(report: RunReport, breakdown: GoodputBreakdown, checkpoint_every: int) -> ModelBesideMeasured:
     """The Young/Daly model fed with this run's measured costs, beside what we measured.
 
     The model knows nothing of the first start and the final shutdown, so both
@@ -187,15 +222,14 @@ def model_beside_measured(report: RunReport, breakdown: GoodputBreakdown, checkp
     mtbf_s = window_s / failures
     restart_s = breakdown.restart_s / failures
     interval_s = checkpoint_every * step_s
-    return {
-        "step_s": step_s, "interval_s": interval_s, "checkpoint_cost_s": checkpoint_cost_s,
-        "mtbf_s": mtbf_s, "restart_s": restart_s,
-        "young_daly_interval_s": young_daly_interval_s(max(checkpoint_cost_s, 1e-6), mtbf_s),
-        "model_goodput": goodput_fraction(interval_s, checkpoint_cost_s, mtbf_s, restart_s),
-        "measured_goodput": breakdown.useful_s / window_s,
-        "model_lost_per_failure_s": (interval_s + checkpoint_cost_s) / 2,
-        "measured_lost_per_failure_s": breakdown.lost_work_s / failures,
-    }
+    return ModelBesideMeasured(
+        step_s=step_s, interval_s=interval_s, checkpoint_cost_s=checkpoint_cost_s, mtbf_s=mtbf_s, restart_s=restart_s,
+        young_daly_interval_s=young_daly_interval_s(max(checkpoint_cost_s, 1e-6), mtbf_s),
+        model_goodput=goodput_fraction(interval_s, checkpoint_cost_s, mtbf_s, restart_s),
+        measured_goodput=breakdown.useful_s / window_s,
+        model_lost_per_failure_s=(interval_s + checkpoint_cost_s) / 2,
+        measured_lost_per_failure_s=breakdown.lost_work_s / failures,
+    )
 
 
 def plot_goodput(report: RunReport, breakdown: GoodputBreakdown):

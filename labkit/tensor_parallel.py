@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.collectives import CommCounter
+from labkit.collectives import CommCounter, OpCount
 from labkit.profiles import require_at_least
 
 
@@ -108,7 +108,30 @@ TP_SIZES = {
 }
 
 
-def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TensorParallelRun:
+    """One rank's view of a tensor-parallel forward and backward, beside the unsplit layers' results."""
+
+    counts: dict[str, OpCount]
+    """The collectives the rank issued, per op (forward and backward)."""
+    forward_all_reduce_calls: int
+    max_output_error: float
+    max_input_grad_error: float
+    activation_bytes: int
+    """One all-reduce's message: the tokens x hidden activations."""
+    layers: int
+    world_size: int
+    shard_params: int
+    full_params: int
+
+    def describe(self) -> str:
+        return (f"{self.world_size} ranks, {self.layers} layers: all_reduce {self.counts['all_reduce']} "
+                f"({self.forward_all_reduce_calls} in the forward pass); max output error "
+                f"{self.max_output_error:.1e}, input gradient {self.max_input_grad_error:.1e}; "
+                f"{self.shard_params:,} of {self.full_params:,} parameters per rank")
+
+
+def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> TensorParallelRun:
     """Rank function: forward+backward through ``layers`` TP MLPs, counted, checked against the full model.
 
     Every rank builds the same full layers (same seeds), keeps its shard, and
@@ -135,20 +158,20 @@ def tensor_parallel_rank(hidden: int, ffn: int, tokens: int, layers: int) -> dic
             y_tp = y_tp + shard(y_tp)
         forward_calls = counter.counts["all_reduce"].calls
         y_tp.square().mean().backward()
-    return {
-        **counter.as_dict(),
-        "forward_all_reduce_calls": forward_calls,
-        "max_output_error": (y_tp - y_ref).abs().max().item(),
-        "max_input_grad_error": (x_tp.grad - x_ref.grad).abs().max().item(),
-        "activation_bytes": tokens * hidden * x.element_size(),
-        "layers": layers,
-        "world_size": dist.get_world_size(),
-        "shard_params": sum(p.numel() for p in shards[0].parameters()),
-        "full_params": sum(p.numel() for p in fulls[0].parameters()),
-    }
+    return TensorParallelRun(
+        counts={op: OpCount(**vars(count)) for op, count in counter.counts.items()},
+        forward_all_reduce_calls=forward_calls,
+        max_output_error=(y_tp - y_ref).abs().max().item(),
+        max_input_grad_error=(x_tp.grad - x_ref.grad).abs().max().item(),
+        activation_bytes=tokens * hidden * x.element_size(),
+        layers=layers,
+        world_size=dist.get_world_size(),
+        shard_params=sum(p.numel() for p in shards[0].parameters()),
+        full_params=sum(p.numel() for p in fulls[0].parameters()),
+    )
 
 
-def run_tensor_parallel(world_size: int = 2, sizes: TensorParallelSizes | None = None) -> dict[str, Any]:
+def run_tensor_parallel(world_size: int = 2, sizes: TensorParallelSizes | None = None) -> TensorParallelRun:
     """Launch :func:`tensor_parallel_rank` on real ranks; returns rank 0's result."""
     from labkit.launcher import launch
     from labkit.profiles import profile

@@ -230,7 +230,21 @@ def _mean_over_ranks(value: float) -> float:
     return tensor.item() / dist.get_world_size()
 
 
-def gradient_error(job: ZeroRank, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+@dataclass(frozen=True)
+class GradientError:
+    """qgZ's reduced gradients against the exact fp32 ones, as norms relative to the exact gradient.
+
+    ``relative_bound`` is the guaranteed worst case (every element off by its
+    blocks' half-steps at once); ``within_bound_everywhere`` checks that guarantee
+    element by element, which a norm alone could hide.
+    """
+
+    relative_error: float
+    relative_bound: float
+    within_bound_everywhere: bool
+
+
+def gradient_error(job: ZeroRank, x: torch.Tensor, y: torch.Tensor) -> GradientError:
     """qgZ against the exact fp32 reduce-scatter of the same gradients, and its worst-case bound.
 
     Each rank's quantization moves an element by at most half its block's step,
@@ -244,11 +258,20 @@ def gradient_error(job: ZeroRank, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     bound = reduce_scatter_plain(error_bound_per_element(grad, bits=job.grad_bits, block_size=job.block_size), comm_dtype=torch.float32)
     error = (quantized - exact).abs()
     tolerance = 1e-6 * exact.abs().max().item()
-    return {
-        "relative_error": error.norm().item() / exact.norm().item(),
-        "relative_bound": bound.norm().item() / exact.norm().item(),
-        "within_bound_everywhere": bool((error <= bound + tolerance).all().item()),
-    }
+    return GradientError(
+        relative_error=error.norm().item() / exact.norm().item(),
+        relative_bound=bound.norm().item() / exact.norm().item(),
+        within_bound_everywhere=bool((error <= bound + tolerance).all().item()),
+    )
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """The calculator's answer: one step's cross-node GB, the same as a multiple of M, and the link's seconds."""
+
+    cross_node_gb: float
+    multiple_of_M: float
+    link_s: float
 
 
 def traffic_calculator(
@@ -259,7 +282,7 @@ def traffic_calculator(
     qwz: bool = False,
     hpz: bool = False,
     qgz: bool = False,
-) -> dict[str, float]:
+) -> StepTraffic:
     """What the widget shows: cross-node GB per step and the seconds the link needs for them.
 
     Paper accounting (no scales, no ring factor), so the numbers read as multiples of M.
@@ -271,19 +294,18 @@ def traffic_calculator(
     num_params = int(params_billion * 1e9)
     traffic = zero_step_comm_bytes(num_params, param_bytes=param_bytes, qwz=qwz, hpz=hpz, qgz=qgz)
     model = num_params * param_bytes
-    return {
-        "cross_node_gb": traffic.total / 1e9,
-        "multiple_of_M": traffic.total / model,
-        "link_s": traffic.total * 8 / (bandwidth_gbps * 1e9),
-    }
+    return StepTraffic(
+        cross_node_gb=traffic.total / 1e9,
+        multiple_of_M=traffic.total / model,
+        link_s=traffic.total * 8 / (bandwidth_gbps * 1e9),
+    )
 
 
 
 def traffic_text(params_billion: float, bandwidth_gbps: float, qwz: bool, hpz: bool, qgz: bool) -> str:
     """The calculator's line: cross-node GB per step, as a multiple of M, and the link's seconds."""
     r = traffic_calculator(params_billion, bandwidth_gbps=bandwidth_gbps, qwz=qwz, hpz=hpz, qgz=qgz)
-    return (f"{r['cross_node_gb']:.1f} GB cross-node per step ({r['multiple_of_M']:.2f}M), "
-            f"{r['link_s']:.2f} s on the link")
+    return f"{r.cross_node_gb:.1f} GB cross-node per step ({r.multiple_of_M:.2f}M), {r.link_s:.2f} s on the link"
 
 
 def traffic_widget():

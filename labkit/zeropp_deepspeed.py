@@ -7,7 +7,8 @@ raise "not implemented on CPU backend"), so CPU ranks run ZeRO-3 and hpZ only;
 GPU ranks run all three. On CPU ranks the engine runs on a
 :class:`labkit.fabric.Fabric` where one can be built, and the cross-node bytes
 are the links' kernel counters; labkit's counter adds which collectives went
-where (and stands in for the bytes where the links are emulated).
+where (and stands in for the bytes where the links are emulated). The ranks send
+back plain dictionaries; :func:`run` makes each config's a :class:`DeepSpeedRun`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit.fabric import LinkBytes
 from labkit.launcher import rank_device, rank_info
 from labkit.profiles import require_at_least
 from labkit.quantcomm import NodeLayout
 from labkit.zeropp import NodeAwareCounter, _mean_over_ranks, batch, flat_numel, init_flat
-from labkit.zeropp_fabric import FabricLinks, busiest, return_freed_memory_to_the_os
+from labkit.zeropp_fabric import FabricLinks, return_freed_memory_to_the_os
+from labkit.zeropp_model import busiest
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,36 @@ SIZES = {
     "gpu": DeepSpeedSizes(dims=(256, 512, 512, 256), steps=3),
     "multi-gpu": DeepSpeedSizes(dims=(1024, 2048, 2048, 1024), steps=10),
 }
+
+
+@dataclass(frozen=True)
+class DeepSpeedRun:
+    """One DeepSpeed config's measured steps: cross-node bytes per step, and which collectives went where.
+
+    ``cross_node_bytes_per_step`` is the busiest link's payload where the links
+    are real (``link_bytes`` holds every link's counters), else labkit's counter;
+    ``counted_cross_node_bytes_per_step`` is always the counter's, to set beside
+    it. The ``*_ops`` count calls by collective: hpZ shows as all-gathers that
+    move from the cross-node side to the intra-node one.
+    """
+
+    config: str
+    links: str
+    link_bytes: dict[str, LinkBytes]
+    cross_node_bytes_per_step: float
+    counted_cross_node_bytes_per_step: float
+    intra_node_bytes_per_step: float
+    cross_node_ops: dict[str, int]
+    intra_node_ops: dict[str, int]
+    loss: list[float]
+    num_params: int
+
+    def describe(self) -> str:
+        """Cross-node bytes in M of fp32 weights (the engine trains in fp32 on CPU ranks), intra-node in MB."""
+        m_bytes = 4 * self.num_params
+        return (f"{self.config:7s} links: {self.links}; cross-node {self.cross_node_bytes_per_step / m_bytes:.3f}M/step "
+                f"{self.cross_node_ops}; intra-node {self.intra_node_bytes_per_step / 1e6:5.2f} MB/step "
+                f"{self.intra_node_ops}")
 
 
 def configs(on_gpus: bool, ranks_per_node: int) -> dict[str, dict[str, Any]]:
@@ -123,6 +156,7 @@ def deepspeed_rank(
             if not links:
                 train(steps)
             out[label] = {
+                "config": label,
                 "links": links.name if links else "emulated",
                 "link_bytes": traffic,
                 "cross_node_bytes_per_step": (busiest(traffic, wire=False) if links else counter.cross_node_bytes()) / steps,
@@ -132,14 +166,17 @@ def deepspeed_rank(
                 "intra_node_ops": {op: c.calls for op, c in counter.intra.counts.items() if c.calls},
                 "loss": losses,
                 "num_params": sum(p.ds_numel for p in engine.module.parameters()),
-                            }
+            }
             engine.destroy()
     return out
 
 
 def run(world_size: int = 4, ranks_per_node: int = 2, *, links: str | None = None,
-        timeout_s: float = 600.0) -> dict[str, Any]:
-    """DeepSpeed's ZeRO-3 engine with its ZeRO++ flags on real ranks; on CPU ranks, hpZ only, on a fabric if possible."""
+        timeout_s: float = 600.0) -> dict[str, DeepSpeedRun]:
+    """DeepSpeed's ZeRO-3 engine with its ZeRO++ flags on real ranks; on CPU ranks, hpZ only, on a fabric if possible.
+
+    Keyed by config label (``"ZeRO-3"``, ``"hpZ"``, and on GPUs ``"qwZ"``, ``"qgZ"``, ``"ZeRO++"``).
+    """
     from labkit import dsops, fabric
     from labkit.launcher import launch
     from labkit.profiles import profile
@@ -159,7 +196,10 @@ def run(world_size: int = 4, ranks_per_node: int = 2, *, links: str | None = Non
                   configs=configs(on_gpus, ranks_per_node))
     mode = links or ("emulated" if on_gpus else fabric.probe().mode)
     if mode != "namespaces":
-        return launch(deepspeed_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)[0]
-    topology = Topology(nodes=layout.nodes, ranks_per_node=ranks_per_node, inter_node_bytes_per_s=10 * GBIT)
-    with fabric.Fabric(topology) as fab:
-        return launch(deepspeed_rank, world_size, backend=backend, timeout_s=timeout_s, fabric=fab, fab=fab, **kwargs)[0]
+        out = launch(deepspeed_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)[0]
+    else:
+        topology = Topology(nodes=layout.nodes, ranks_per_node=ranks_per_node, inter_node_bytes_per_s=10 * GBIT)
+        with fabric.Fabric(topology) as fab:
+            out = launch(deepspeed_rank, world_size, backend=backend, timeout_s=timeout_s, fabric=fab, fab=fab,
+                         **kwargs)[0]
+    return {label: DeepSpeedRun(**fields) for label, fields in out.items()}

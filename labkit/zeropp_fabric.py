@@ -9,7 +9,7 @@ shaper's, the bytes are the links' counters.
 
 Where :func:`labkit.fabric.probe` says ``"emulated"`` (no root, no namespaces),
 :class:`EmulatedLinks` stands in with Lab 5's counter and sleep emulation, so the
-lab still runs; every result carries ``links`` to say which one ran.
+lab still runs; every :class:`labkit.zeropp_model.FabricResult` carries ``links`` to say which one ran.
 
 One launch does everything (bytes, step time at several rates, precision,
 training, hpZ memory): rank 0 reads the fabric's counters and re-shapes its links
@@ -29,15 +29,12 @@ import torch
 import torch.distributed as dist
 
 from labkit import quantcomm, zeropp
+from labkit.fabric import LinkBytes
 from labkit.profiles import require_at_least
-from labkit.quantcomm import NodeLayout, quantized_bytes
-from labkit.topology import GBIT, Topology, link_bytes_model
-from labkit.zeropp import Variant, ZeroRank
-
-VARIANTS = zeropp.VARIANTS
-"""ZeRO-3, qwZ, hpZ, qgZ and ZeRO++, all with 16-bit (bf16) weights and gradients where unquantized: the paper's baseline."""
-FP32_REFERENCE = "ZeRO-3 fp32"
-TIMED = ("ZeRO-3", "ZeRO++")
+from labkit.quantcomm import NodeLayout
+from labkit.topology import GBIT, Topology
+from labkit.zeropp import ZeroRank
+from labkit.zeropp_model import FP32_REFERENCE, TIMED, UNSHAPED_GBIT, VARIANTS, FabricResult, StepTiming
 
 
 @dataclass(frozen=True)
@@ -69,53 +66,6 @@ SIZES = {
     "multi-gpu": FabricSizes(dims=(1024, 2048, 2048, 1024), micro_batches=(8, 1024), rates_gbit=(0.1, 1.0, 4.0),
                              timed_steps=5, train_steps=60),
 }
-UNSHAPED_GBIT = 40.0
-"""A rate no step here comes near: the step time at it is the compute (and TCP's CPU) alone."""
-
-
-def uplink_payload_model(
-    variant: Variant,
-    num_params: int,
-    layout: NodeLayout,
-    *,
-    param_bytes: int = 2,
-    weight_bits: int = 8,
-    grad_bits: int = 4,
-    block_size: int = 256,
-    reduce_scatter: str = "gloo",
-) -> dict[str, int]:
-    """Payload bytes one node's uplink carries each way in one step, by phase.
-
-    All-gathers are rings in rank order (:func:`labkit.topology.link_bytes_model`).
-    qgZ's all-to-all sends each node-external chunk straight across: a node's
-    ``ranks_per_node`` ranks each send ``nodes - 1`` node-fulls of chunks.
-    ``reduce_scatter="gloo"`` counts torch's gloo reduce-scatter as the fabric
-    measured it, an all-reduce's bytes (2x a ring reduce-scatter);
-    ``"ring"`` is the paper's (and NCCL's) ring reduce-scatter.
-    """
-    if reduce_scatter not in ("gloo", "ring"):
-        raise ValueError(f"reduce_scatter must be 'gloo' or 'ring', got {reduce_scatter!r}")
-    world = layout.world_size
-    topology = Topology(nodes=layout.nodes, ranks_per_node=layout.ranks_per_node, inter_node_bytes_per_s=GBIT)
-    shard = num_params // world
-    weights = world * (quantized_bytes(shard, bits=weight_bits, block_size=block_size) if variant.qwz
-                       else shard * param_bytes)
-    forward = link_bytes_model("all_gather", weights, topology)["node0"]
-    if variant.qgz:
-        chunk = quantized_bytes(shard, bits=grad_bits, block_size=block_size)
-        grads = layout.ranks_per_node * (world - layout.ranks_per_node) * chunk
-    else:
-        op = "all_reduce" if reduce_scatter == "gloo" else "reduce_scatter"
-        grads = link_bytes_model(op, num_params * param_bytes, topology)["node0"]
-    return {"forward_allgather": forward, "backward_allgather": 0 if variant.hpz else forward,
-            "grad_reduce_scatter": grads}
-
-
-def step_time_model_ms(compute_ms: float, wire_bytes: float, rate_gbit: float) -> float:
-    """Collectives here block, so a step is its compute plus the busiest link's bytes at its rate."""
-    if rate_gbit <= 0:
-        raise ValueError(f"rate_gbit must be > 0, got {rate_gbit}")
-    return compute_ms + wire_bytes * 8 / (rate_gbit * 1e9) * 1e3
 
 
 class FabricLinks:
@@ -134,7 +84,7 @@ class FabricLinks:
             set_link_rates(self.fab.links, gbit * GBIT)
         dist.barrier()
 
-    def measure(self, fn: Callable[[], Any]) -> dict[str, dict[str, int]]:
+    def measure(self, fn: Callable[[], Any]) -> dict[str, LinkBytes]:
         """Kernel counters of every link across ``fn()`` on all ranks (rank 0 gets them)."""
         dist.barrier()
         before = self.fab.link_bytes() if dist.get_rank() == 0 else None
@@ -145,8 +95,7 @@ class FabricLinks:
             return {}
         from labkit.fabric import delta
 
-        return {link: {**asdict(b), "tx_payload_bytes": b.tx_payload_bytes, "rx_payload_bytes": b.rx_payload_bytes}
-                for link, b in delta(before, self.fab.link_bytes()).items()}
+        return delta(before, self.fab.link_bytes())
 
     def timing(self) -> Any:
         from contextlib import nullcontext
@@ -165,29 +114,19 @@ class EmulatedLinks:
     def set_rate(self, gbit: float) -> None:
         self.link = zeropp.link_for(gbit)
 
-    def measure(self, fn: Callable[[], Any]) -> dict[str, dict[str, int]]:
+    def measure(self, fn: Callable[[], Any]) -> dict[str, LinkBytes]:
+        """The counter's cross-node bytes as one link's, with no packets: payload and wire are the same."""
         with zeropp.NodeAwareCounter(self.layout) as counter:
             fn()
         nbytes = counter.cross_node_bytes()
-        return {"node0": {"tx_payload_bytes": nbytes, "rx_payload_bytes": nbytes, "tx_wire_bytes": nbytes,
-                          "rx_wire_bytes": nbytes}}
+        return {"node0": LinkBytes(tx_bytes=nbytes, rx_bytes=nbytes, tx_packets=0, rx_packets=0,
+                                   tx_wire_bytes=nbytes, rx_wire_bytes=nbytes)}
 
     def timing(self) -> Any:
         return zeropp.NodeAwareCounter(self.layout, link=self.link)
 
 
-def busiest(links: dict[str, dict[str, int]], *, wire: bool = True) -> int:
-    """The most bytes any link carried in one direction: the one that sets the link's time.
-
-    ``wire=True`` reads the shapers (headers included: what the link's time is paid
-    in); ``wire=False`` the TCP payload (:class:`labkit.fabric.LinkBytes`). 0 on
-    ranks other than 0, which read no counters.
-    """
-    fields = ("tx_wire_bytes", "rx_wire_bytes") if wire else ("tx_payload_bytes", "rx_payload_bytes")
-    return max((b[field] for b in links.values() for field in fields), default=0)
-
-
-def _time_steps(jobs: dict[str, ZeroRank], x: torch.Tensor, y: torch.Tensor, links: Any, steps: int) -> dict[str, dict]:
+def _time_steps(jobs: dict[str, ZeroRank], x: torch.Tensor, y: torch.Tensor, links: Any, steps: int) -> dict[str, StepTiming]:
     """Median ms per step (slowest rank) and the busiest rank's CPU ms, variants taking turns step by step."""
     names = list(jobs)
     step_s = torch.zeros(len(names), steps, dtype=torch.float64)
@@ -202,8 +141,9 @@ def _time_steps(jobs: dict[str, ZeroRank], x: torch.Tensor, y: torch.Tensor, lin
                 cpu_s[j] += time.process_time() - cpu0
     dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu_s, op=dist.ReduceOp.MAX)
-    return {name: {"step_ms": statistics.median(step_s[j].tolist()) * 1e3, "all_ms": [s * 1e3 for s in step_s[j].tolist()],
-                   "cpu_ms": cpu_s[j].item() / steps * 1e3} for j, name in enumerate(names)}
+    return {name: StepTiming(step_ms=statistics.median(step_s[j].tolist()) * 1e3,
+                             all_ms=tuple(s * 1e3 for s in step_s[j].tolist()), cpu_ms=cpu_s[j].item() / steps * 1e3)
+            for j, name in enumerate(names)}
 
 
 M_MMAP_THRESHOLD = -3
@@ -236,7 +176,11 @@ def lab_rank(
     block_size: int = 256,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Rank function: bytes per variant, step time per rate and micro-batch, precision, training, hpZ memory."""
+    """Rank function: bytes per variant, step time per rate and micro-batch, precision, training, hpZ memory.
+
+    Returns a plain dict of :class:`FabricResult`'s fields (less ``links_reason``,
+    which only the parent knows); :func:`run` makes it one.
+    """
     return_freed_memory_to_the_os()
     dims = tuple(dims)
     layout = NodeLayout.for_world(dist.get_world_size(), ranks_per_node)
@@ -248,23 +192,23 @@ def lab_rank(
     options = dict(weight_bits=weight_bits, grad_bits=grad_bits, block_size=block_size, seed=seed)
     jobs = {v.name: ZeroRank(v, dims, layout, node_group, comm_dtype=torch.bfloat16, **options) for v in VARIANTS}
     jobs[FP32_REFERENCE] = ZeroRank(VARIANTS[0], dims, layout, node_group, comm_dtype=torch.float32, **options)
-    result: dict[str, Any] = {"rank": rank, "links": links.name, "num_params": jobs["ZeRO-3"].numel,
-                              "layout": asdict(layout), "rates_gbit": list(rates_gbit),
-                              "micro_batches": list(micro_batches), "weight_bits": weight_bits,
-                              "grad_bits": grad_bits, "block_size": block_size, "bytes": {}, "timing": {}}
+    result: dict[str, Any] = {"links": links.name, "num_params": jobs["ZeRO-3"].numel, "layout": layout,
+                              "rates_gbit": tuple(rates_gbit), "micro_batches": tuple(micro_batches),
+                              "weight_bits": weight_bits, "grad_bits": grad_bits, "block_size": block_size,
+                              "link_bytes": {}, "timing": {}}
     links.set_rate(max(rates_gbit))
     for job in jobs.values():
         job.step(x, y)  # opens gloo's connections outside the measured windows
     result["barrier_only"] = links.measure(lambda: None)
     for name, job in jobs.items():
-        result["bytes"][name] = links.measure(lambda job=job: job.step(x, y))
+        result["link_bytes"][name] = links.measure(lambda job=job: job.step(x, y))
     timed = {name: jobs[name] for name in TIMED}
     for micro_batch in micro_batches:
         xb, yb = zeropp.batch(dims, teacher, micro_batch, seed=20_000 + rank)
         for gbit in (UNSHAPED_GBIT, *rates_gbit):
             links.set_rate(gbit)
             for name, t in _time_steps(timed, xb, yb, links, timed_steps).items():
-                result["timing"].setdefault(name, {}).setdefault(str(micro_batch), {})[str(gbit)] = t
+                result["timing"][name, micro_batch, gbit] = t
     links.set_rate(UNSHAPED_GBIT)
     result["grad_error"] = zeropp.gradient_error(jobs[FP32_REFERENCE], x, y)
     hpz = jobs["hpZ"]
@@ -288,12 +232,12 @@ def _train(dims, layout, node_group, teacher, batch_size, steps, options) -> dic
 
 
 def run(nodes: int = 2, ranks_per_node: int = 2, *, links: str | None = None, timeout_s: float = 300.0,
-        **overrides: Any) -> dict[str, Any]:
+        **overrides: Any) -> FabricResult:
     """Lab 6's experiment in one launch: on a fabric where ``fabric.probe()`` allows, else emulated.
 
     ``links="emulated"`` forces the emulation. ``overrides`` replace fields of the
     profile's :class:`FabricSizes` or set :func:`lab_rank`'s options (``weight_bits``, ...).
-    Returns rank 0's result plus ``links_reason`` (why that mode).
+    Returns rank 0's measurements, with ``links_reason`` saying why that mode ran.
     """
     from labkit import fabric
     from labkit.launcher import launch
@@ -318,63 +262,4 @@ def run(nodes: int = 2, ranks_per_node: int = 2, *, links: str | None = None, ti
                             inter_node_bytes_per_s=max(sizes.rates_gbit) * GBIT)
         with fabric.Fabric(topology) as fab:
             result = launch(lab_rank, world, timeout_s=timeout_s, fabric=fab, fab=fab, **kwargs)[0]
-    return {**result, "links_reason": reason}
-
-
-def bytes_table(result: dict[str, Any], *, reduce_scatter: str = "gloo") -> list[dict[str, Any]]:
-    """Per variant: the busiest link's bytes per step (payload and wire) beside the model, in multiples of M.
-
-    M is the model in 16 bits (``num_params * 2``), the paper's unit. The fp32
-    reference row is modelled with 4-byte values. On emulated links the model is
-    the per-rank ring accounting the counter uses.
-    """
-    layout = NodeLayout(**result["layout"])
-    m_bytes = result["num_params"] * 2
-    baseline = busiest(result["bytes"]["ZeRO-3"])
-    options = dict(weight_bits=result["weight_bits"], grad_bits=result["grad_bits"], block_size=result["block_size"])
-    rows = []
-    for name, links in result["bytes"].items():
-        variant = next((v for v in VARIANTS if v.name == name), VARIANTS[0])
-        param_bytes = 4 if name == FP32_REFERENCE else 2
-        if result["links"] == "namespaces":
-            phases = uplink_payload_model(variant, result["num_params"], layout, param_bytes=param_bytes,
-                                          reduce_scatter=reduce_scatter, **options)
-        else:  # the emulation counts each rank's ring bytes (Lab 5's counter)
-            phases = asdict(quantcomm.zero_step_comm_bytes(
-                result["num_params"], param_bytes=param_bytes, qwz=variant.qwz, hpz=variant.hpz, qgz=variant.qgz,
-                world_size=layout.world_size, **options))
-        model = sum(phases.values())
-        payload, wire = busiest(links, wire=False), busiest(links)
-        rows.append({"variant": name, "payload_bytes": payload, "wire_bytes": wire, "model_bytes": model,
-                     "payload_vs_model": payload / model, "wire_per_payload": wire / payload,
-                     "multiple_of_M": payload / m_bytes, "model_multiple_of_M": model / m_bytes,
-                     "wire_vs_zero3": wire / baseline, "phases_model": phases})
-    return rows
-
-
-def time_table(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per timed variant, micro-batch and rate: measured ms per step beside the model's.
-
-    The model is :func:`step_time_model_ms` with the step time on the unshaped link
-    as its compute and the busiest link's measured wire bytes: nothing fitted.
-    """
-    rows = []
-    for name, by_batch in result["timing"].items():
-        wire = busiest(result["bytes"][name])
-        for micro_batch, by_rate in by_batch.items():
-            compute_ms = by_rate[str(UNSHAPED_GBIT)]["step_ms"]
-            for gbit in result["rates_gbit"]:
-                measured = by_rate[str(gbit)]
-                model_ms = step_time_model_ms(compute_ms, wire, gbit)
-                rows.append({"variant": name, "micro_batch": int(micro_batch), "rate_gbit": gbit,
-                             "step_ms": measured["step_ms"], "model_ms": model_ms,
-                             "measured_vs_model": measured["step_ms"] / model_ms, "cpu_ms": measured["cpu_ms"],
-                             "compute_ms": compute_ms})
-    return rows
-
-
-def speedup(result: dict[str, Any], micro_batch: int, *, model: bool = False) -> list[float]:
-    """ZeRO-3 / ZeRO++ step time at each rate (measured, or the model's)."""
-    rows = {(r["variant"], r["rate_gbit"]): r for r in time_table(result) if r["micro_batch"] == micro_batch}
-    key = "model_ms" if model else "step_ms"
-    return [rows["ZeRO-3", g][key] / rows["ZeRO++", g][key] for g in result["rates_gbit"]]
+    return FabricResult(links_reason=reason, **result)

@@ -367,6 +367,22 @@ def test_goodput_counts_slowed_steps_and_the_final_write_against_the_run():
         goodput(1.0, 0.0)
 
 
+def test_saver_summary_is_the_worst_rank_after_the_set_up_call():
+    """A synchronous step waits for its slowest rank; the first call of each saver is set-up, reported apart."""
+    from labkit.checkpoint_stalls import SAVER_KINDS, RankSaves, SaverCalls, comparison_text, summarise_comparison
+
+    def rank(index: int, later_s: float) -> RankSaves:
+        calls = SaverCalls(blocked_s=[9.0, later_s, later_s], waited_s=[0.0] * 3,
+                           total_s=[9.0, 2 * later_s, 2 * later_s])
+        return RankSaves(rank=index, state_bytes=48_000_000, savers={kind: calls for kind in SAVER_KINDS})
+
+    results = [rank(0, 0.125), rank(1, 0.25)]
+    summary = summarise_comparison(results)
+    assert list(summary) == list(SAVER_KINDS)
+    assert (summary["async"].first_blocked_s, summary["async"].blocked_s, summary["async"].total_s) == (9.0, 0.25, 0.5)
+    assert comparison_text(results, summary).startswith("state per rank: 48 MB on 2 ranks")
+
+
 def _tensor_on_gpu(index: int):
     """A CPU tensor class that reports ``cuda:<index>``: the snapshot's path for GPU state, without a GPU."""
 

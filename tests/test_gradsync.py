@@ -65,33 +65,47 @@ def test_framing_is_none_when_no_shaper_counted_the_bytes():
         gradsync_model.framing(10, 0)
 
 
-def _synthetic_result(wire_per_payload: float) -> dict:
+def _synthetic_result(wire_per_payload: float, tx_per_model: float = 0.0) -> gradsync_model.GradSyncResult:
+    """Two ranks' measurements at 0.1 Gbit/s as train_rank returns them, turned into a result with the model."""
     ring = GRADIENT_BYTES
-    rows = [
-        {"rate_gbit": 0.1, "mode": mode, "accumulation": 8, "ms_per_sample": 40.0, "ring_bytes_per_step": syncs * ring,
-         "wire_bytes_per_step_by_rank": [wire_per_payload * syncs * ring] * 2}
-        for mode, syncs in (("sync_every_micro_step", 8), ("delayed_sync", 1))
-    ]
-    return {"world_size": 2, "sizes": dataclasses.replace(SMALL, micro_batch=4), "gradient_bytes": GRADIENT_BYTES,
-            "single_device": {"step_s": 0.032}, "rows": rows}
+    ranks = [{
+        "rows": [
+            {"rate_gbit": 0.1, "mode": mode, "accumulation": 8, "step_s": 2.56, "ms_per_sample": 40.0,
+             "all_reduce_calls_per_step": syncs, "all_reduce_bytes_per_step": syncs * ring,
+             "ring_bytes_per_step": syncs * ring, "tx_bytes_per_step": tx_per_model * syncs * ring,
+             "wire_bytes_per_step": wire_per_payload * syncs * ring, "emulated_s_per_step": 0.0, "final_loss": 1.0}
+            for mode, syncs in (("sync_every_micro_step", 8), ("delayed_sync", 1))
+        ],
+        "single_device": {"step_s": 0.032, "ms_per_sample": 1.0}, "gradient_bytes": GRADIENT_BYTES,
+        "same_update_max_diff": 0.0,
+    } for _ in range(2)]
+    return gradsync_model.gradsync_result(ranks, dataclasses.replace(SMALL, micro_batch=4),
+                                          gradsync_links.LinkMode("namespaces", "synthetic"))
 
 
 def test_predictions_use_the_measured_framing_and_say_how_far_the_measurement_is():
-    result = gradsync_model.add_predictions(_synthetic_result(1.05))
-    assert result["wire_bytes_per_payload_byte"] == pytest.approx(1.05)
-    every = gradsync_model.find_row(result["rows"], mode="sync_every_micro_step")
+    result = _synthetic_result(1.05)
+    assert result.wire_bytes_per_payload_byte == pytest.approx(1.05)
+    every = result.row(0.1, "sync_every_micro_step")
     model_s = 0.032 + 8 * 1.05 * GRADIENT_BYTES / (0.1 * GBIT)
-    assert every["model_ms_per_sample"] == pytest.approx(1e3 * model_s / 64)
-    assert every["measured_over_model"] == pytest.approx(40.0 / every["model_ms_per_sample"])
-    assert every["model_link_share"] == pytest.approx(1 - 0.032 / model_s)
-    assert every["model_ring_bytes_per_step"] == 8 * GRADIENT_BYTES
+    assert every.model_ms_per_sample == pytest.approx(1e3 * model_s / 64)
+    assert every.measured_over_model == pytest.approx(40.0 / every.model_ms_per_sample)
+    assert every.model_link_share == pytest.approx(1 - 0.032 / model_s)
+    assert every.model_ring_bytes_per_step == 8 * GRADIENT_BYTES
 
 
 def test_without_shapers_the_model_assumes_no_framing():
-    result = gradsync_model.add_predictions(_synthetic_result(0.0))
-    assert result["wire_bytes_per_payload_byte"] is None
-    delayed = gradsync_model.find_row(result["rows"], mode="delayed_sync")
-    assert delayed["model_ms_per_sample"] == pytest.approx(1e3 * (0.032 + GRADIENT_BYTES / (0.1 * GBIT)) / 64)
+    result = _synthetic_result(0.0)
+    assert result.wire_bytes_per_payload_byte is None
+    delayed = result.row(0.1, "delayed_sync")
+    assert delayed.model_ms_per_sample == pytest.approx(1e3 * (0.032 + GRADIENT_BYTES / (0.1 * GBIT)) / 64)
+
+
+def test_a_row_is_found_by_rate_and_mode_and_a_missing_one_names_the_rates_measured():
+    result = _synthetic_result(1.05)
+    assert result.row(0.1, "delayed_sync").all_reduce_calls_per_step == 1
+    with pytest.raises(KeyError, match=r"rates measured: \[0.1\]"):
+        result.row(4.0, "delayed_sync")
 
 
 def test_links_fall_back_to_the_sleep_emulation_and_say_why(monkeypatch):
@@ -117,39 +131,39 @@ def emulated():
 
 @pytest.mark.slow
 def test_the_emulated_run_says_so_and_its_links_only_sleep(emulated):
-    assert emulated["mode_label"] == "emulated (sleep): forced by the test"
-    assert emulated["wire_bytes_per_payload_byte"] is None
-    every = gradsync_model.find_row(emulated["rows"], mode="sync_every_micro_step")
-    assert every["emulated_s_per_step"] > 0 and every["tx_bytes_per_step"] == 0
+    assert emulated.mode_label == "emulated (sleep): forced by the test" and not emulated.real_links
+    assert emulated.wire_bytes_per_payload_byte is None
+    every = emulated.row(0.5, "sync_every_micro_step")
+    assert every.emulated_s_per_step > 0 and every.tx_bytes_per_step == 0
 
 
 @pytest.mark.slow
 def test_delayed_sync_cuts_all_reduce_calls_by_exactly_the_accumulation_factor(emulated):
     acc = SMALL.accumulation
-    every = gradsync_model.find_row(emulated["rows"], mode="sync_every_micro_step")
-    delayed = gradsync_model.find_row(emulated["rows"], mode="delayed_sync")
-    assert delayed["all_reduce_calls_per_step"] >= 1
-    assert every["all_reduce_calls_per_step"] == acc * delayed["all_reduce_calls_per_step"]
+    every = emulated.row(0.5, "sync_every_micro_step")
+    delayed = emulated.row(0.5, "delayed_sync")
+    assert delayed.all_reduce_calls_per_step >= 1
+    assert every.all_reduce_calls_per_step == acc * delayed.all_reduce_calls_per_step
 
 
 @pytest.mark.slow
 def test_delayed_sync_makes_the_same_update(emulated):
-    assert emulated["same_update_max_diff"] < 1e-6
+    assert emulated.same_update_max_diff < 1e-6
 
 
 @pytest.mark.slow
 def test_counted_gradient_bytes_match_the_ring_model(emulated):
-    acc, grad_bytes = SMALL.accumulation, emulated["gradient_bytes"]
+    acc, grad_bytes = SMALL.accumulation, emulated.gradient_bytes
     for mode, syncs in (("sync_every_micro_step", acc), ("delayed_sync", 1)):
-        row = gradsync_model.find_row(emulated["rows"], mode=mode)
-        assert row["all_reduce_bytes_per_step"] == syncs * grad_bytes
-        assert row["ring_bytes_per_step"] == row["model_ring_bytes_per_step"]
+        row = emulated.row(0.5, mode)
+        assert row.all_reduce_bytes_per_step == syncs * grad_bytes
+        assert row.ring_bytes_per_step == row.model_ring_bytes_per_step
 
 
 @pytest.mark.slow
 def test_deepspeed_stage1_reduces_once_per_window_and_stage2_every_micro_step(emulated):
-    by_stage = {d["stage"]: d for d in emulated["deepspeed"]}
-    stage1, stage2 = by_stage[1]["calls_per_micro_step"], by_stage[2]["calls_per_micro_step"]
+    by_stage = {d.stage: d for d in emulated.deepspeed}
+    stage1, stage2 = by_stage[1].calls_per_micro_step, by_stage[2].calls_per_micro_step
     assert all(not calls for calls in stage1[:-1]) and stage1[-1]["all_reduce"]
     assert all(calls.get("all_reduce") for calls in stage2)
 
@@ -157,14 +171,13 @@ def test_deepspeed_stage1_reduces_once_per_window_and_stage2_every_micro_step(em
 @pytest.mark.slow
 def test_deepspeed_stages_1_and_2_all_gather_the_updated_parameters_once_per_step(emulated):
     """Seen only because the counter is active before deepspeed.init_distributed binds its functions."""
-    for ds in emulated["deepspeed"]:
-        assert ds["calls_per_optimizer_step"]["all_gather"] == 1
-        assert ds["message_bytes_per_optimizer_step"]["all_gather"] == ds["parameter_bytes"]
-        assert all("all_gather" not in calls for calls in ds["calls_per_micro_step"][:-1])
+    for ds in emulated.deepspeed:
+        assert ds.calls_per_optimizer_step["all_gather"] == 1
+        assert ds.message_bytes_per_optimizer_step["all_gather"] == ds.parameter_bytes
+        assert all("all_gather" not in calls for calls in ds.calls_per_micro_step[:-1])
 
 
 def test_bytes_sent_are_compared_with_the_ring_model_over_the_whole_run():
-    result = gradsync_model.add_predictions(_synthetic_result(1.05))
-    for row in result["rows"]:
-        row["tx_bytes_per_step_by_rank"] = [1.01 * row["model_ring_bytes_per_step"]] * 2
-    assert gradsync_model.sent_over_model(result) == pytest.approx(1.01)
+    result = _synthetic_result(1.05, tx_per_model=1.01)
+    assert result.row(0.1, "delayed_sync").tx_bytes_per_step_by_rank == pytest.approx((1.01 * GRADIENT_BYTES,) * 2)
+    assert result.sent_over_model() == pytest.approx(1.01)

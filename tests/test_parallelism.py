@@ -14,14 +14,14 @@ CLUSTER = p.Cluster(nodes=4, gpus_per_node=8)
 def test_tensor_parallel_mlp_matches_the_full_layer_with_one_all_reduce_each_way():
     result = tensor_parallel.run_tensor_parallel(2, sizes=tensor_parallel.TensorParallelSizes(
         hidden=64, ffn=256, tokens=16, layers=2))
-    layers, n = result["layers"], result["world_size"]
-    assert result["max_output_error"] < 1e-4
-    assert result["max_input_grad_error"] < 1e-4
-    assert result["forward_all_reduce_calls"] == layers
-    assert result["counts"]["all_reduce"]["calls"] == p.tp_all_reduces_per_layer(transformer=False) * layers
-    expected = 2 * layers * ring_bytes_per_rank("all_reduce", result["activation_bytes"], n)
-    assert result["counts"]["all_reduce"]["ring_bytes"] == expected
-    assert result["shard_params"] < result["full_params"]
+    layers, n = result.layers, result.world_size
+    assert result.max_output_error < 1e-4
+    assert result.max_input_grad_error < 1e-4
+    assert result.forward_all_reduce_calls == layers
+    assert result.counts["all_reduce"].calls == p.tp_all_reduces_per_layer(transformer=False) * layers
+    expected = 2 * layers * ring_bytes_per_rank("all_reduce", result.activation_bytes, n)
+    assert result.counts["all_reduce"].ring_bytes == expected
+    assert result.shard_params < result.full_params
 
 
 @pytest.mark.parametrize(

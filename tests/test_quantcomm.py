@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from labkit import quantcomm as qc
-from labkit import zeropp, zeropp_deepspeed, zeropp_fabric
+from labkit import zeropp, zeropp_deepspeed, zeropp_fabric, zeropp_model
+from labkit.fabric import LinkBytes
 
 
 def gaussian(numel: int = 64 * 256, seed: int = 0) -> torch.Tensor:
@@ -144,8 +145,8 @@ def test_bad_input_fails_before_any_rank_starts(monkeypatch, kwargs, message):
 def test_calculator_reports_multiples_of_the_model():
     plain = zeropp.traffic_calculator(7, bandwidth_gbps=100)
     zpp = zeropp.traffic_calculator(7, bandwidth_gbps=100, qwz=True, hpz=True, qgz=True)
-    assert plain["multiple_of_M"] == 3 and zpp["multiple_of_M"] == 0.75
-    assert plain["link_s"] == pytest.approx(4 * zpp["link_s"])
+    assert plain.multiple_of_M == 3 and zpp.multiple_of_M == 0.75
+    assert plain.link_s == pytest.approx(4 * zpp.link_s)
 
 
 def test_deepspeed_quantized_flags_are_only_requested_on_gpu_ranks():
@@ -182,35 +183,35 @@ def test_deepspeed_zeropp_ranks_beyond_the_gpus_run_on_the_cpu_without_cuda_kern
 
 
 TWO_BY_TWO = qc.NodeLayout(2, 2)
-VARIANT = {v.name: v for v in zeropp_fabric.VARIANTS}
+VARIANT = {v.name: v for v in zeropp_model.VARIANTS}
 
 
 def test_zero3_loads_each_uplink_with_3m_on_gloo_and_225m_on_a_ring():
     """A ring in rank order crosses each node once per gather (3/4 M); gloo's reduce-scatter costs an all-reduce."""
     m = 2 * 4096 * 64
-    gloo = zeropp_fabric.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO)
-    ring = zeropp_fabric.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring")
-    assert sum(gloo.values()) == 3 * m and sum(ring.values()) == 2.25 * m
+    gloo = zeropp_model.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO)
+    ring = zeropp_model.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring")
+    assert gloo.total == 3 * m and ring.total == 2.25 * m
 
 
 def test_hpz_takes_the_backward_allgather_off_the_uplink():
-    phases = zeropp_fabric.uplink_payload_model(VARIANT["hpZ"], 4096 * 64, TWO_BY_TWO)
-    assert phases["backward_allgather"] == 0 and phases["forward_allgather"] > 0
+    phases = zeropp_model.uplink_payload_model(VARIANT["hpZ"], 4096 * 64, TWO_BY_TWO)
+    assert phases.backward_allgather == 0 and phases.forward_allgather > 0
 
 
 def test_zeropp_uplink_bytes_are_under_030_of_zero3_with_scales():
-    zero3 = sum(zeropp_fabric.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO).values())
-    zpp = sum(zeropp_fabric.uplink_payload_model(VARIANT["ZeRO++"], 4096 * 64, TWO_BY_TWO).values())
-    zpp_ring = sum(zeropp_fabric.uplink_payload_model(VARIANT["ZeRO++"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring").values())
-    zero3_ring = sum(zeropp_fabric.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring").values())
+    zero3 = zeropp_model.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO).total
+    zpp = zeropp_model.uplink_payload_model(VARIANT["ZeRO++"], 4096 * 64, TWO_BY_TWO).total
+    zpp_ring = zeropp_model.uplink_payload_model(VARIANT["ZeRO++"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring").total
+    zero3_ring = zeropp_model.uplink_payload_model(VARIANT["ZeRO-3"], 4096 * 64, TWO_BY_TWO, reduce_scatter="ring").total
     assert zpp == zpp_ring  # qgZ's all-to-all does not depend on how gloo reduce-scatters
     assert zpp / zero3 < 0.22 and zpp / zero3_ring < 0.30
 
 
 def test_step_time_model_is_compute_plus_the_busiest_links_bytes_at_its_rate():
-    assert zeropp_fabric.step_time_model_ms(100.0, 125_000_000, 1.0) == pytest.approx(1100.0)
+    assert zeropp_model.step_time_model_ms(100.0, 125_000_000, 1.0) == pytest.approx(1100.0)
     with pytest.raises(ValueError, match="rate_gbit must be > 0"):
-        zeropp_fabric.step_time_model_ms(1.0, 1, 0.0)
+        zeropp_model.step_time_model_ms(1.0, 1, 0.0)
 
 
 TINY = dict(dims=(256, 512, 256), micro_batches=(2, 8), rates_gbit=(0.5, 4.0), timed_steps=1, train_steps=2,
@@ -226,15 +227,15 @@ def test_zeropp_cross_node_bytes_land_on_the_model_on_either_kind_of_link(links)
     if links == "namespaces" and fabric.probe().mode != "namespaces":
         pytest.skip(fabric.probe().reason)
     result = zeropp_fabric.run(links=links, **TINY)
-    rows = {row["variant"]: row for row in zeropp_fabric.bytes_table(result)}
-    assert result["links"] == links
+    rows = {row.variant: row for row in zeropp_model.bytes_table(result)}
+    assert result.links == links
     # The counters' payload (headers subtracted) exceeds the model by gloo's own small messages only:
     # 2.3-4.3 KB per window, to the byte in repeated runs; 1.007x on TINY's smallest window (0.34 MB).
     for row in rows.values():
-        assert 1.0 <= row["payload_vs_model"] <= 1.01, row
-    assert rows["ZeRO++"]["wire_vs_zero3"] <= 0.30
-    assert result["grad_error"]["within_bound_everywhere"]
-    assert {t["rate_gbit"] for t in zeropp_fabric.time_table(result)} == {0.5, 4.0}
+        assert 1.0 <= row.payload_vs_model <= 1.01, row
+    assert rows["ZeRO++"].wire_vs_zero3 <= 0.30
+    assert result.grad_error.within_bound_everywhere
+    assert {t.rate_gbit for t in zeropp_model.time_table(result)} == {0.5, 4.0}
 
 
 def test_lab6_size_tables_without_steps_fail_when_built():
@@ -243,3 +244,40 @@ def test_lab6_size_tables_without_steps_fail_when_built():
                                   train_steps=2)
     with pytest.raises(ValueError, match=r"DeepSpeedSizes.steps must be >= 1, got 0"):
         zeropp_deepspeed.DeepSpeedSizes(dims=(256, 512, 256), steps=0)
+
+
+def _counted(nbytes: float) -> dict[str, LinkBytes]:
+    n = round(nbytes)
+    return {"node0": LinkBytes(tx_bytes=n, rx_bytes=n, tx_packets=0, rx_packets=0, tx_wire_bytes=n, rx_wire_bytes=n)}
+
+
+def _emulated_result(num_params: int = 4096 * 64) -> zeropp_model.FabricResult:
+    """What the ranks would send back from emulated links that counted exactly the model's bytes."""
+    model = {v.name: qc.zero_step_comm_bytes(num_params, qwz=v.qwz, hpz=v.hpz, qgz=v.qgz, world_size=4,
+                                             block_size=256).total for v in zeropp_model.VARIANTS}
+    timing = {(name, 4, gbit): zeropp_model.StepTiming(step_ms=ms, all_ms=(ms,), cpu_ms=ms)
+              for name in zeropp_model.TIMED
+              for gbit, ms in ((zeropp_model.UNSHAPED_GBIT, 10.0), (1.0, 10.0 + model[name] * 8 / 1e6))}
+    return zeropp_model.FabricResult(
+        links="emulated", links_reason="asked for", num_params=num_params, layout=TWO_BY_TWO, rates_gbit=(1.0,),
+        micro_batches=(4,), weight_bits=8, grad_bits=4, block_size=256,
+        link_bytes={name: _counted(nbytes) for name, nbytes in model.items()}, barrier_only=_counted(0),
+        timing=timing, grad_error=zeropp.GradientError(0.1, 0.2, True), hpz_secondary_bytes=0,
+        primary_shard_bytes=0, loss={})
+
+
+def test_bytes_table_sets_each_variants_busiest_link_beside_its_model():
+    rows = {row.variant: row for row in zeropp_model.bytes_table(_emulated_result())}
+    assert all(row.payload_vs_model == pytest.approx(1.0, abs=1e-5) for row in rows.values())
+    assert rows["ZeRO-3"].wire_vs_zero3 == 1.0 and rows["ZeRO++"].wire_vs_zero3 < 0.30
+    assert rows["ZeRO-3"].model_multiple_of_M == pytest.approx(0.75 * 3)
+    assert "ZeRO++" in rows["ZeRO++"].describe()
+
+
+def test_time_table_models_a_step_as_its_unshaped_time_plus_the_links_bytes():
+    result = _emulated_result()
+    rows = zeropp_model.time_table(result)
+    assert [(t.variant, t.rate_gbit) for t in rows] == [("ZeRO-3", 1.0), ("ZeRO++", 1.0)]
+    assert all(t.compute_ms == 10.0 and t.measured_vs_model == pytest.approx(1.0, abs=1e-5) for t in rows)
+    assert zeropp_model.speedup(result, 4)[0] > 1
+    assert zeropp_model.speedup(result, 4, model=True) == pytest.approx(zeropp_model.speedup(result, 4), abs=1e-5)

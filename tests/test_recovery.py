@@ -20,6 +20,10 @@ from labkit import recovery_rank as rr
 from labkit.interval import young_daly_interval_s
 
 TINY = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
+KILLED_AFTER_A_COMMITTED_CHECKPOINT = {"saver": "sync"}
+"""A kill at step 5 restarts from checkpoint 4 only if that save has committed. The async saver's
+write can still be in flight two steps later on a loaded box (a run here once resumed from step 0, which is
+right: nothing else was committed); the tests that assert step 4 save synchronously."""
 
 
 def test_fault_plan_naming_a_rank_that_does_not_exist_is_refused(tmp_path):
@@ -92,12 +96,12 @@ def test_a_straggler_rule_that_could_never_or_always_fire_is_refused(field, valu
 
 def test_goodput_falls_on_both_sides_of_the_young_daly_interval():
     sweep = interval.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400, seed=1)
-    simulated = [row["simulated_goodput"] for row in sweep]
+    simulated = [row.simulated_goodput for row in sweep]
     best = simulated.index(max(simulated))
-    assert sweep[best]["factor"] == 1
+    assert sweep[best].factor == 1
     assert simulated[:best + 1] == sorted(simulated[:best + 1])
     assert simulated[best:] == sorted(simulated[best:], reverse=True)
-    model = [row["model_goodput"] for row in sweep]
+    model = [row.model_goodput for row in sweep]
     assert model.index(max(model)) == best
 
 
@@ -105,8 +109,8 @@ def test_simulated_goodput_matches_the_first_order_model_near_the_optimum():
     interval_s = young_daly_interval_s(2.0, 3 * 3600)
     row = interval.interval_sweep(checkpoint_cost_s=2.0, restart_s=30.0, mtbf_s=3 * 3600, work_s=100 * 365 * 86400,
                             factors=(1,), seed=2)[0]
-    assert row["interval_s"] == pytest.approx(interval_s)
-    assert row["simulated_goodput"] == pytest.approx(row["model_goodput"], abs=0.002)
+    assert row.interval_s == pytest.approx(interval_s)
+    assert row.simulated_goodput == pytest.approx(row.model_goodput, abs=0.002)
 
 
 def _alive(pids) -> list[int]:
@@ -130,7 +134,7 @@ def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_
     """Cold start for the reference, warm standby processes for the relaunch: both paths run."""
     clean = clean_run
     faulted = rc.supervise(tmp_path / "faulted", world_size=2, spares=1, faults=[fault_plan.Fault("kill", 1, 5)],
-                           warm_standby=True, **TINY)
+                           warm_standby=True, **TINY, **KILLED_AFTER_A_COMMITTED_CHECKPOINT)
     assert not clean.detections and len(clean.attempts) == 1
     assert faulted.injected == faulted.recovered == ["kill-rank1-step5"]
     detection = faulted.detections[0]
@@ -141,6 +145,11 @@ def test_killed_rank_is_replaced_and_the_run_ends_bit_identical(tmp_path, clean_
     breakdown = recovery_report.breakdown(faulted)
     assert breakdown.useful_steps == 12 and breakdown.redone_steps == 1
     assert 0 < breakdown.goodput < 1 and breakdown.restart_s > 0
+    (row,) = faulted.detection_table()
+    assert (row.node_cordoned, row.replaced_by, row.resumed_from_step) == ("node1", "node2", 4)
+    compare = recovery_report.model_beside_measured(faulted, breakdown, TINY["checkpoint_every"])
+    assert compare.restart_s == pytest.approx(breakdown.restart_s), "one failure: the whole restart is its cost"
+    assert "measured_goodput" in compare.describe()
     every_pid = [pid for report in (clean, faulted) for attempt in report.attempts for pid in attempt.pids]
     assert _alive(every_pid) == [] and faulted.leftover_pids == []
 
@@ -166,7 +175,8 @@ def test_supervisor_refuses_to_wipe_a_folder_that_is_not_a_run(tmp_path):
 
 @pytest.mark.slow
 def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
-    kwargs = {**TINY, "run_dir": str(tmp_path / "run"), "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
+    kwargs = {**TINY, **KILLED_AFTER_A_COMMITTED_CHECKPOINT, "run_dir": str(tmp_path / "run"),
+              "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--max-restarts", "1", "-m", "labkit.recovery_rank", "--kwargs", json.dumps(kwargs)],
