@@ -36,7 +36,7 @@ def tree_pss_bytes(root: psutil.Process) -> int:
 def peak_pss_bytes(lab: str, out: str, interval_s: float = 0.5) -> tuple[int, float, int]:
     """Run one lab headlessly; its peak tree PSS, wall seconds and exit code."""
     start = time.monotonic()
-    run = subprocess.Popen([sys.executable, "-m", "labkit.cli", "run", lab, "--out", out],
+    run = subprocess.Popen([sys.executable, "-m", "labkit.course.cli", "run", lab, "--out", out],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     root, peak = psutil.Process(run.pid), 0
     while run.poll() is None:

@@ -1,7 +1,7 @@
 """Every lab, unsabotaged, N times in a row: the course must pass 10 runs out of 10 on this machine.
 
 Each run executes the labs in course order, each in a fresh kernel, exactly as
-``labkit run`` does (:func:`labkit.runner.run_lab`). After every lab it looks for
+``labkit run`` does (:func:`labkit.course.runner.run_lab`). After every lab it looks for
 what a lab must never leave behind: a ``labkit-*`` folder in the temp dir, an
 ``lk-*`` network namespace, a live child process. A flaky assert shows up as a
 lab that passes some runs and fails others; the summary names the cell.
@@ -26,7 +26,7 @@ import psutil
 
 from labkit import netns
 from labkit.course import Lab, select
-from labkit.runner import RunStopped, run_lab, stopped_by_signals
+from labkit.course.runner import RunStopped, run_lab, stopped_by_signals
 
 
 def left_behind() -> list[str]:

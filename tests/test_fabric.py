@@ -190,7 +190,7 @@ def test_a_failing_rank_is_reraised_and_the_fabric_still_comes_down():
 
 
 def test_doctor_says_which_links_this_machine_gets(monkeypatch):
-    from labkit import doctor
+    from labkit.course import doctor
 
     monkeypatch.setattr(fabric, "probe", lambda: fabric.Capability("emulated", "not root"))
     found = {check.name: check for check in doctor.checks()}

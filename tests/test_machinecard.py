@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.machinecard import MachineCard, bottlenecks, storage_write_bytes_per_s
+from labkit.course.machinecard import MachineCard, bottlenecks, storage_write_bytes_per_s
 
 CARD = MachineCard(device="cpu", matmul_flops_per_s=1e12, memory_bytes_per_s=1e10,
                    host_to_device_bytes_per_s=None, allreduce_busbw_bytes_per_s=1e9,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from labkit import cli, results
+from labkit.course import cli, results
 from labkit.course import LABS, select
-from labkit.runner import LabRun, check_out_dir, write_report
+from labkit.course.runner import LabRun, check_out_dir, write_report
 
 
 def test_select_accepts_numbers_slugs_and_all():
@@ -64,7 +64,7 @@ def test_shell_waits_are_sliced_so_a_missed_wakeup_costs_one_slice(monkeypatch):
     import asyncio
     import queue
 
-    from labkit import runner
+    from labkit.course import runner
 
     monkeypatch.setattr(runner, "SHELL_POLL_SLICE_S", 0.01)
     waits = []
@@ -103,7 +103,7 @@ def test_a_teacher_merges_learners_reports_into_one_table_and_plot(tmp_path):
 
 
 def test_merge_refuses_what_is_not_a_report_and_a_learner_twice(tmp_path, capsys):
-    from labkit import classroom
+    from labkit.course import classroom
 
     stray = tmp_path / "notes.json"
     stray.write_text('{"a": 1}')

@@ -75,7 +75,7 @@ def _one_cell_course(tmp_path: Path, cell: str) -> str:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(cell)]
     nbformat.write(nb, notebooks / "01_input_pipeline.ipynb")
-    return ("import sys; from pathlib import Path; from labkit import runner, cli; "
+    return ("import sys; from pathlib import Path; from labkit.course import runner, cli; "
             f"runner.notebooks_dir = lambda: Path({str(notebooks)!r}); "
             f"sys.exit(cli.main(['run', '1', '--out', {str(tmp_path / 'out')!r}]))")
 

@@ -19,5 +19,5 @@ echo "binder: requirements installed in $(( $(date +%s) - start )) s"
 start=$(date +%s)
 bash binder/postBuild
 echo "binder: postBuild done in $(( $(date +%s) - start )) s"
-bash binder/start python -m labkit.cli doctor
+bash binder/start python -m labkit.course.cli doctor
 bash binder/start python -c "import labkit; assert labkit.profile().name == 'ci'; print('binder: profile ci, environment ready in', '$work')"

@@ -11,7 +11,7 @@ from labkit.profiles import PROFILE_NAMES
 
 def _run(args: argparse.Namespace) -> int:
     from labkit.course import select
-    from labkit.runner import RunStopped, run_labs
+    from labkit.course.runner import RunStopped, run_labs
 
     try:
         labs = select(args.labs)
@@ -30,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from labkit import classroom
+    from labkit.course import classroom
 
     try:
         reports = classroom.merge(args.reports)
@@ -46,7 +46,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from labkit.doctor import checks, print_checks
+    from labkit.course.doctor import checks, print_checks
 
     found = checks()
     print_checks(found)
@@ -54,7 +54,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _card(args: argparse.Namespace) -> int:
-    from labkit.machinecard import bottlenecks, format_card, measure_card
+    from labkit.course.machinecard import bottlenecks, format_card, measure_card
 
     card = measure_card()
     print(format_card(card))

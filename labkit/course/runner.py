@@ -35,7 +35,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from tqdm.auto import tqdm
 
-from labkit import classroom, results
+from labkit.course import classroom, results
 from labkit.course import Lab, notebooks_dir
 from labkit.devices import describe_machine
 from labkit.processes import kill_group

@@ -1,7 +1,11 @@
 """The course map: one entry per lab, in the outline's order.
 
 The README's table, ``labkit run`` and the report all read this list, so a lab's
-name, question, module and speaker are written down once.
+name, question, module and speaker are written down once. This package holds the
+course machinery, apart from the lab topics in ``labkit/``: the ``labkit`` command
+(:mod:`.cli`), running a lab in a fresh kernel (:mod:`.runner`), the figures a
+notebook records for the report (:mod:`.results`), merged workshop reports
+(:mod:`.classroom`), and the machine checks (:mod:`.doctor`, :mod:`.machinecard`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ LABS = (
 
 
 def notebooks_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "notebooks"
+    return Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def select(names: list[str]) -> list[Lab]:
