@@ -8,12 +8,17 @@ for its parent to collect its status.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import shutil
+import tempfile
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -120,3 +125,22 @@ def release_sigterm(holder: object) -> None:
         signal.signal(signal.SIGTERM, _sigterm_before)
     _sigterm_before = None
 
+
+@contextlib.contextmanager
+def temporary_folder(prefix: str, parent: str | Path | None = None) -> Iterator[Path]:
+    """A ``labkit-*`` folder that is removed on success, error, interrupt and SIGTERM.
+
+    A lab stopped by ``labkit run`` gets SIGTERM; without :func:`hold_sigterm`
+    Python would end without running the ``finally`` that removes the folder
+    (a stopped ZeRO probe left its NVMe swap folder behind that way).
+    """
+    token = object()
+    hold_sigterm(token)
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        release_sigterm(token)

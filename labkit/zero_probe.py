@@ -15,13 +15,13 @@ exist only from the first step on). Each state's bytes are the larger of the two
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from labkit import dsops, nvme_offload, zero, zero_accounting
+from labkit.processes import temporary_folder
 
 BUCKET_ELEMS = 2**16
 
@@ -323,14 +323,11 @@ def measure(
             raise ValueError(f"NVMe offload requested but unavailable: {reason}")
         ops.append(dsops.ASYNC_IO_OP)
     dsops.ensure_built(tuple(ops), accelerator=dsops.accelerator_for(backend))
-    if dsops.ASYNC_IO_OP in ops:  # made after the build, so a failed build leaves no folder behind
-        nvme_dir = tempfile.mkdtemp(prefix="labkit-nvme-", dir=nvme_offload.nvme_parent_dir())
-    try:
+    with contextlib.ExitStack() as stack:
+        if dsops.ASYNC_IO_OP in ops:  # made after the build, so a failed build leaves no folder behind
+            nvme_dir = str(stack.enter_context(temporary_folder("labkit-nvme-", nvme_offload.nvme_parent_dir())))
         per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,
                           configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)
-    finally:
-        if nvme_dir is not None:
-            shutil.rmtree(nvme_dir, ignore_errors=True)
     return [rank_results[i] for i in range(len(configs)) for rank_results in per_rank]
 
 

@@ -292,3 +292,40 @@ def test_a_rank_runs_on_its_gpu_under_nccl_and_on_the_cpu_under_gloo(monkeypatch
     assert rank_device() == torch.device("cuda", 1)
     monkeypatch.setenv("LABKIT_BACKEND", "gloo")
     assert rank_device() == torch.device("cpu")
+
+
+HOLD_A_TEMPORARY_FOLDER = """
+import sys, time
+from labkit.processes import temporary_folder
+with temporary_folder("labkit-test-", sys.argv[1]) as folder:
+    (folder / "swap").write_bytes(b"x" * 4096)
+    print(folder, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "exception"])
+def test_a_temporary_folder_is_removed_when_its_program_is_stopped(tmp_path, stop):
+    """What `labkit run` does to a lab it stops: SIGTERM; the folder must not outlive the lab."""
+    import signal
+    import subprocess
+    import sys
+
+    from labkit.processes import temporary_folder
+
+    if stop == "exception":
+        with pytest.raises(RuntimeError), temporary_folder("labkit-test-", tmp_path) as folder:
+            raise RuntimeError("a cell failed")
+        assert not folder.exists()
+        return
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_TEMPORARY_FOLDER, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        folder = proc.stdout.readline().strip()
+        assert folder and os.path.isdir(folder)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(tmp_path.iterdir()) == []
