@@ -142,15 +142,34 @@ class BytesRow:
     payload_bytes: int
     wire_bytes: int
     model_phases: StepCommBytes
-    payload_vs_model: float
-    wire_per_payload: float
-    multiple_of_M: float
-    model_multiple_of_M: float
-    wire_vs_zero3: float
+    m_bytes: int
+    """M, the model in 16 bits: the paper's unit."""
+    zero3_wire_bytes: int
+    """ZeRO-3's busiest link in the same run: what ZeRO++ is compared with."""
 
     @property
     def model_bytes(self) -> float:
         return self.model_phases.total
+
+    @property
+    def payload_vs_model(self) -> float:
+        return self.payload_bytes / self.model_bytes
+
+    @property
+    def wire_per_payload(self) -> float:
+        return self.wire_bytes / self.payload_bytes
+
+    @property
+    def multiple_of_M(self) -> float:
+        return self.payload_bytes / self.m_bytes
+
+    @property
+    def model_multiple_of_M(self) -> float:
+        return self.model_bytes / self.m_bytes
+
+    @property
+    def wire_vs_zero3(self) -> float:
+        return self.wire_bytes / self.zero3_wire_bytes
 
     def describe(self) -> str:
         """The row as one line: the notebook and the benchmark print the same."""
@@ -181,11 +200,8 @@ def bytes_table(result: FabricResult, *, reduce_scatter: str = "gloo") -> list[B
             phases = quantcomm.zero_step_comm_bytes(
                 num_params, param_bytes=param_bytes, qwz=variant.qwz, hpz=variant.hpz, qgz=variant.qgz,
                 world_size=layout.world_size, **options)
-        payload, wire = busiest(links, wire=False), busiest(links)
-        rows.append(BytesRow(variant=name, payload_bytes=payload, wire_bytes=wire, model_phases=phases,
-                             payload_vs_model=payload / phases.total, wire_per_payload=wire / payload,
-                             multiple_of_M=payload / m_bytes, model_multiple_of_M=phases.total / m_bytes,
-                             wire_vs_zero3=wire / baseline))
+        rows.append(BytesRow(variant=name, payload_bytes=busiest(links, wire=False), wire_bytes=busiest(links),
+                             model_phases=phases, m_bytes=m_bytes, zero3_wire_bytes=baseline))
     return rows
 
 
@@ -198,9 +214,12 @@ class TimeRow:
     rate_gbit: float
     step_ms: float
     model_ms: float
-    measured_vs_model: float
     cpu_ms: float
     compute_ms: float
+
+    @property
+    def measured_vs_model(self) -> float:
+        return self.step_ms / self.model_ms
 
     def describe(self) -> str:
         """The row as one line: the notebook and the benchmark print the same."""
@@ -221,10 +240,8 @@ def time_table(result: FabricResult) -> list[TimeRow]:
             compute_ms = result.timing[name, micro_batch, UNSHAPED_GBIT].step_ms
             for gbit in result.rates_gbit:
                 measured = result.timing[name, micro_batch, gbit]
-                model_ms = step_time_model_ms(compute_ms, wire, gbit)
                 rows.append(TimeRow(variant=name, micro_batch=micro_batch, rate_gbit=gbit, step_ms=measured.step_ms,
-                                    model_ms=model_ms, measured_vs_model=measured.step_ms / model_ms,
-                                    cpu_ms=measured.cpu_ms, compute_ms=compute_ms))
+                                    model_ms=step_time_model_ms(compute_ms, wire, gbit), cpu_ms=measured.cpu_ms, compute_ms=compute_ms))
     return rows
 
 
