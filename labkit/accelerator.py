@@ -333,6 +333,21 @@ def _stop(process, conn) -> None:
 Accelerator = StandInAccelerator | CoreAccelerator | ModelStep
 
 
+BUSY_NOT_MEASURED = ("skipped: this accelerator is the sleeping EMULATION, which no loader can slow, so a busy "
+                     "fraction or hidden compute time measured against it would hold by construction; these "
+                     "asserts run where the accelerator computes (a GPU, or a CPU with a core to set apart)")
+
+
+def busy_time_is_measured(accelerator: Accelerator) -> bool:
+    """Whether the accelerator's busy time is work it did, so that asserts on busy fractions can fail.
+
+    The sleeping :class:`StandInAccelerator` takes the time it was told to take and no
+    host CPU: a starved loader cannot slow its steps, nor a busy one steal from them.
+    A lab prints :data:`BUSY_NOT_MEASURED` instead of asserting where this is False.
+    """
+    return not isinstance(accelerator, StandInAccelerator)
+
+
 def describe(accelerator: Accelerator) -> str:
     """One line for a notebook: what the accelerator is, and whether it is real."""
     if isinstance(accelerator, CoreAccelerator):

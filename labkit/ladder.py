@@ -21,6 +21,7 @@ import torch
 
 from labkit import accelerator as accel
 from labkit import loaders, objectstore
+from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_workers
 from labkit.dataset import Dataset
 from labkit.devices import loader_workers
 from labkit.meter import MeterSummary, StepMeter
@@ -55,10 +56,11 @@ SIZES = {
                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
     # On a GPU the model is real, widened until its measured step runs at about
     # accelerator_images_per_s (accelerator.model_width_for). Workers: one per core we may use.
+    # remote_images: two batches for each of up to 15 workers, so the remote rung reaches a steady state.
     "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
-                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3),
     "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
-                             accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=2048, fast_epochs=3),
+                             accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3),
 }
 
 RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WARN}
@@ -106,9 +108,12 @@ def accelerator_for(profile: Profile, sizes: LadderSizes, dataset: Dataset) -> a
 
 
 def measure(batches: Iterable[loaders.Batch], accelerator: accel.Accelerator, *, device: str = "cpu",
-            epochs: int = 1, make_batches=None) -> MeterSummary:
-    """Run the training loop over ``batches`` (or ``make_batches(epoch)`` per epoch) and meter it."""
-    meter = StepMeter(device=device)
+            epochs: int = 1, make_batches=None, skip_first: int = 1) -> MeterSummary:
+    """Run the training loop over ``batches`` (or ``make_batches(epoch)`` per epoch) and meter it.
+
+    The first ``skip_first`` steps are left out of the summary (see :class:`~labkit.meter.StepMeter`).
+    """
+    meter = StepMeter(device=device, skip_first=skip_first)
     with accelerator.host_side():
         for epoch in range(epochs):
             source = make_batches(epoch) if make_batches else batches
@@ -129,6 +134,8 @@ class Ladder:
     results: dict[str, MeterSummary] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
     """GETs the object store's server logged, per rung."""
+    remote_model: "RemoteModel | None" = None
+    """What the remote rung should deliver, from one GET and one decode timed alone (set by :meth:`remote`)."""
 
     def __post_init__(self) -> None:
         paths, labels = self.dataset.paths_and_labels()
@@ -157,15 +164,31 @@ class Ladder:
         return self._record(name, measure(loader, self.accelerator, device=self.device))
 
     def remote(self) -> MeterSummary:
-        """Every object fetched from the object store, every epoch; the server counts the GETs."""
-        count = self.sizes.remote_images
+        """Every object fetched from the object store, every epoch; the server counts the GETs.
+
+        Before the loader starts, one client alone times a GET and a decode
+        (:func:`probe_remote`): the terms of :attr:`remote_model`, the rate this
+        rung should reach if its workers really keep that many GETs in flight.
+        The workers start together, so their first batches arrive together one
+        batch-time later; the meter leaves those out and times the steady state.
+        """
+        count, workers = self.sizes.remote_images, remote_workers(self.sizes)
         with self.accelerator.host_side(), self._store() as store:
             fetch = objectstore.HttpFetch([store.url(path) for path in self.paths[:count]])
+            self.remote_model = probe_remote(fetch, workers=workers, image_px=self.sizes.image_px,
+                                             latency_ms=self.sizes.remote_latency_ms, count=min(PROBE_IMAGES, count))
+            probed = store.requests("GET")
             loader = loaders.fetched_loader(fetch, self.labels[:count], batch_size=self.sizes.batch_size,
-                                            image_px=self.sizes.image_px, num_workers=self.sizes.workers)
-            summary = measure(loader, self.accelerator, device=self.device)
-            self.requests["remote, no cache"] = store.requests("GET")
+                                            image_px=self.sizes.image_px, num_workers=workers)
+            summary = measure(loader, self.accelerator, device=self.device, skip_first=workers)
+            self.requests["remote, no cache"] = store.requests("GET") - probed
         return self._record("remote, no cache", summary)
+
+    def remote_vs_model(self) -> float:
+        """The remote rung's measured images/s over what :attr:`remote_model` predicts."""
+        if self.remote_model is None or "remote, no cache" not in self.results:
+            raise RuntimeError("run the remote rung first: Ladder.remote()")
+        return self.results["remote, no cache"].items_per_s / self.remote_model.images_per_s
 
     def raw_cache(self) -> tuple[MeterSummary, loaders.RawCache]:
         """Fetch each object from the store once into RAM, then train from the cached bytes.

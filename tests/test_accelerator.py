@@ -188,3 +188,35 @@ def test_time_another_program_holds_the_accelerators_core_is_measured_as_stolen(
     assert busy_wall > 1.2 * quiet_wall, "a burner on its core slows the accelerator's steps"
     assert busy_stolen > 0.3 * busy_wall, (busy_stolen, busy_wall)
     assert 0.5 < (busy_wall - busy_stolen) / quiet_wall < 1.5, "less the stolen time, a step is a quiet step"
+
+
+def test_busy_time_is_measured_everywhere_but_on_the_sleeping_stand_in():
+    assert not accel.busy_time_is_measured(accel.StandInAccelerator(images_per_s=1000))
+    assert accel.busy_time_is_measured(accel.ModelStep("cpu", width=4))
+    assert "EMULATION" in accel.BUSY_NOT_MEASURED
+
+
+def test_lab1_asserts_on_busy_time_only_where_it_is_measured():
+    """Every Lab 1 assert on the fed accelerator's busy or hidden time sits under ``if busy_is_measured:``.
+
+    The aside's asserts are left out: its model shares the loader's CPU on purpose and always computes.
+    """
+    import json
+    import re
+
+    from labkit.course import notebooks_dir
+
+    cells = json.loads((notebooks_dir() / "01_input_pipeline.ipynb").read_text())["cells"]
+    guarded = unguarded = 0
+    for cell in (c for c in cells if c["cell_type"] == "code"):
+        lines = "".join(cell["source"]).splitlines()
+        for number, line in enumerate(lines):
+            if not (line.lstrip().startswith("assert") and re.search(r"busy|hidden", line)) or "from_files" in line:
+                continue
+            indent = len(line) - len(line.lstrip())
+            opener = next((up for up in reversed(lines[:number]) if len(up) - len(up.lstrip()) < indent), "")
+            if opener.strip() == "if busy_is_measured:":
+                guarded += 1
+            else:
+                unguarded += 1
+    assert unguarded == 0 and guarded >= 5

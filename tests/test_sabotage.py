@@ -112,6 +112,26 @@ SABOTAGES = [
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
              needs=("cell-01", "cell-05", "cell-03", "cell-22")),
+    Sabotage("01_input_pipeline", "the loader's workers take turns on the store, one GET at a time", """
+        import multiprocessing
+        from labkit import objectstore
+        _get, _one_at_a_time = objectstore.HttpFetch.get, multiprocessing.Lock()   # forked workers share it
+        def _get_in_turn(self, url, byte_range=None):
+            with _one_at_a_time:
+                return _get(self, url, byte_range)
+        objectstore.HttpFetch.get = _get_in_turn
+    """, fails_at="cell-12b", says="GETs in flight", needs=("cell-01", "cell-05", "cell-03", "cell-12")),
+    Sabotage("01_input_pipeline", "the raw cache GETs every object again while it trains", """
+        from labkit import loaders
+        _fill = loaders.RawCache.fill.__func__
+        def _fill_and_keep_the_store(cls, fetch, count, **kwargs):
+            cache = _fill(cls, fetch, count, **kwargs)
+            cache.fetch = fetch
+            return cache
+        loaders.RawCache.fill = classmethod(_fill_and_keep_the_store)
+        loaders.RawCache.__call__ = lambda self, index: self.fetch(index)
+    """, fails_at="cell-15", says="training from it asks the store for nothing",
+             needs=("cell-01", "cell-05", "cell-03", "cell-12", "cell-14")),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px

@@ -1,0 +1,89 @@
+"""How fast remote reads can be: Little's law for Lab 1's remote rung, with terms measured alone.
+
+A DataLoader worker that reads from an object store fetches an object, decodes
+it, then fetches the next. Each worker keeps one request in flight, so the
+loader's rate is workers / (GET + decode). :func:`probe_remote` times one GET and
+one decode with a single client; :class:`RemoteModel` turns them into the rate
+the rung should reach; the rung itself (:meth:`labkit.ladder.Ladder.remote`) is
+measured by the step meter and compared with it. The store's first-byte latency
+is an emulated condition that both see alike; whether the workers overlap their
+requests is what the comparison tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from labkit import loaders, objectstore
+
+if TYPE_CHECKING:
+    from labkit.ladder import LadderSizes
+
+
+PROBE_IMAGES = 32
+"""Objects :func:`probe_remote` fetches and decodes one at a time (about 0.4 s at 10 ms each)."""
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """The remote rung's rate by Little's law: ``workers`` GETs in flight, each followed by its decode.
+
+    A DataLoader worker fetches an object, decodes it, then fetches the next. With
+    ``workers`` of them the loader delivers workers / (GET + decode) images/s, if
+    nothing serialises their requests. ``get_ms`` and ``decode_ms`` are measured by
+    one client alone; the store's first-byte latency (``latency_ms``, an emulated
+    condition) is part of ``get_ms``, not added to the model. So the rung's measured
+    images/s agrees with :attr:`images_per_s` only when the workers really overlap
+    their GETs: a shared connection, a store that answers one request at a time or
+    a second GET per image all show as a measured rate below the model.
+    """
+
+    workers: int
+    latency_ms: float
+    get_ms: float
+    decode_ms: float
+
+    @property
+    def images_per_s(self) -> float:
+        return self.workers * 1e3 / (self.get_ms + self.decode_ms)
+
+    @property
+    def latency_share(self) -> float:
+        """The part of one worker's time per image spent waiting for the store's first byte."""
+        return self.latency_ms / (self.get_ms + self.decode_ms)
+
+    def describe(self) -> str:
+        return (f"model: {self.workers} workers / (GET {self.get_ms:.1f} ms + decode {self.decode_ms:.1f} ms) = "
+                f"{self.images_per_s:.0f} images/s; the emulated {self.latency_ms:g} ms first-byte latency is "
+                f"{self.latency_share:.0%} of each worker's time per image")
+
+
+def remote_workers(sizes: "LadderSizes") -> int:
+    """DataLoader workers for the remote rung: ``sizes.workers``, but at most one per two batches.
+
+    A worker reaches its steady rate only on its second batch (see :meth:`labkit.ladder.Ladder.remote`).
+    """
+    batches = -(-sizes.remote_images // sizes.batch_size)
+    return max(1, min(sizes.workers, batches // 2))
+
+
+def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, latency_ms: float,
+                 count: int = PROBE_IMAGES) -> RemoteModel:
+    """Time what one remote worker does per image, GET then decode, in this process, one at a time.
+
+    The connection is opened before the clock starts: a worker opens it once and reuses it.
+    """
+    if count < 1 or count > len(fetch):
+        raise ValueError(f"count must be in [1, {len(fetch)}] (the objects fetch can reach), got {count}")
+    fetch(0)
+    get_s = decode_s = 0.0
+    for index in range(count):
+        start = time.perf_counter()
+        data = fetch(index)
+        fetched = time.perf_counter()
+        loaders.decode(data, image_px)
+        get_s, decode_s = get_s + fetched - start, decode_s + time.perf_counter() - fetched
+    return RemoteModel(workers=workers, latency_ms=latency_ms, get_ms=get_s * 1e3 / count,
+                       decode_ms=decode_s * 1e3 / count)
