@@ -48,8 +48,15 @@ class Sabotage:
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
 # its step times at three link rates), so the sabotaged run skips the rest: 40 s -> 14 s for Lab 6's
 # launch; leaving out Lab 5's DeepSpeed rows saves 2.6 s a run, and Lab 4's byte counts need one step,
-# not six. Each trim alone leaves its failing cell passing (checked with
+# not six; Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
+# reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
+# again). Each trim alone leaves its failing cell passing (checked with
 # `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
+TRIM_LAB1_SHORT_LATENCY = """
+    import dataclasses
+    from labkit import ladder
+    ladder.SIZES = {name: dataclasses.replace(size, remote_latency_ms=2) for name, size in ladder.SIZES.items()}
+"""
 TRIM_LAB4_NO_NVME = """
     import dataclasses
     from labkit import nvme_offload, zero_probe
@@ -101,7 +108,8 @@ SABOTAGES = [
             return self.files(rung="transformed cache"), cache
         ladder.Ladder.transformed_cache = _cache_that_decodes
     """, fails_at="cell-20", says="removes the conversion bottleneck",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "cell-12", "cell-14", "cell-17")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "cell-12", "cell-14", "cell-17"),
+             trim=TRIM_LAB1_SHORT_LATENCY),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
@@ -131,7 +139,8 @@ SABOTAGES = [
         loaders.RawCache.fill = classmethod(_fill_and_keep_the_store)
         loaders.RawCache.__call__ = lambda self, index: self.fetch(index)
     """, fails_at="cell-15", says="training from it asks the store for nothing",
-             needs=("cell-01", "cell-05", "cell-03", "cell-12", "cell-14")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "cell-12", "cell-14"),
+             trim=TRIM_LAB1_SHORT_LATENCY),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px
