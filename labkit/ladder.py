@@ -21,13 +21,13 @@ import torch
 
 from labkit import accelerator as accel
 from labkit import loaders, objectstore
-from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_workers
 from labkit.dataset import Dataset
 from labkit.devices import loader_workers
 from labkit.meter import MeterSummary, StepMeter
 from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
 from labkit.profiles import Profile
+from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_workers
 
 
 @dataclass(frozen=True)
