@@ -29,7 +29,7 @@ class Lab:
 
 LABS = (
     Lab(1, "input_pipeline", "Can the model keep the accelerator busy, or is the input path starving it?",
-        ("loaders", "ladder", "accelerator", "meter", "dataset", "objectstore"), "Kashish Mittal (Uber)"),
+        ("loaders", "ladder", "accelerator", "meter", "dataset", "objectstore", "remote_model"), "Kashish Mittal (Uber)"),
     Lab(2, "data_engine", "How should the dataset be represented and loaded by a data engine?",
         ("catalog", "dataengine", "objectstore"), "Jay Chia (Eventual / Daft)"),
     Lab(3, "memory_movement", "Is each operation limited by arithmetic or by memory movement?",
