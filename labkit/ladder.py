@@ -27,7 +27,7 @@ from labkit.meter import MeterSummary, StepMeter
 from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
 from labkit.profiles import Profile
-from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_workers
+from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_plan
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ SIZES = {
                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=512, fast_epochs=3),
     # On a GPU the model is real, widened until its measured step runs at about
     # accelerator_images_per_s (accelerator.model_width_for). Workers: one per core we may use.
-    # remote_images: two batches for each of up to 15 workers, so the remote rung reaches a steady state.
+    # remote_images: room for two batches for each of up to 15 workers (remote_model.remote_plan).
     "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
                        accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3),
     "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
@@ -172,7 +172,7 @@ class Ladder:
         The workers start together, so their first batches arrive together one
         batch-time later; the meter leaves those out and times the steady state.
         """
-        count, workers = self.sizes.remote_images, remote_workers(self.sizes)
+        workers, count = remote_plan(self.sizes)
         with self.accelerator.host_side(), self._store() as store:
             fetch = objectstore.HttpFetch([store.url(path) for path in self.paths[:count]])
             self.remote_model = probe_remote(fetch, workers=workers, image_px=self.sizes.image_px,

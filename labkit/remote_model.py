@@ -41,6 +41,8 @@ class RemoteModel:
     """
 
     workers: int
+    images: int
+    """Objects the rung reads (each once)."""
     latency_ms: float
     get_ms: float
     decode_ms: float
@@ -60,20 +62,25 @@ class RemoteModel:
                 f"{self.latency_share:.0%} of each worker's time per image")
 
 
-def remote_workers(sizes: "LadderSizes") -> int:
-    """DataLoader workers for the remote rung: ``sizes.workers``, but at most one per two batches.
+def remote_plan(sizes: "LadderSizes") -> tuple[int, int]:
+    """``(workers, images)`` for the remote rung: exactly two batches per worker.
 
-    A worker reaches its steady rate only on its second batch (see :meth:`labkit.ladder.Ladder.remote`).
+    The DataLoader hands batch i to worker i % workers, and a worker reaches its
+    steady rate only on its second batch (see :meth:`labkit.ladder.Ladder.remote`).
+    So the rung reads two full batches per worker and no more: a third batch for
+    some workers only would leave the others idle at the end. ``sizes.workers``,
+    capped so that the two batches each fit in ``sizes.remote_images``.
     """
-    batches = -(-sizes.remote_images // sizes.batch_size)
-    return max(1, min(sizes.workers, batches // 2))
+    workers = max(1, min(sizes.workers, sizes.remote_images // (2 * sizes.batch_size)))
+    return workers, min(sizes.remote_images, 2 * workers * sizes.batch_size)
 
 
 def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, latency_ms: float,
                  count: int = PROBE_IMAGES) -> RemoteModel:
     """Time what one remote worker does per image, GET then decode, in this process, one at a time.
 
-    The connection is opened before the clock starts: a worker opens it once and reuses it.
+    ``fetch`` reaches the objects the rung will read. The connection is opened
+    before the clock starts: a worker opens it once and reuses it.
     """
     if count < 1 or count > len(fetch):
         raise ValueError(f"count must be in [1, {len(fetch)}] (the objects fetch can reach), got {count}")
@@ -85,5 +92,5 @@ def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, l
         fetched = time.perf_counter()
         loaders.decode(data, image_px)
         get_s, decode_s = get_s + fetched - start, decode_s + time.perf_counter() - fetched
-    return RemoteModel(workers=workers, latency_ms=latency_ms, get_ms=get_s * 1e3 / count,
+    return RemoteModel(workers=workers, images=len(fetch), latency_ms=latency_ms, get_ms=get_s * 1e3 / count,
                        decode_ms=decode_s * 1e3 / count)

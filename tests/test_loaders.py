@@ -11,7 +11,7 @@ from labkit.accelerator import StandInAccelerator
 from labkit.meter import MeterSummary
 from labkit.objectstore import HttpFetch, ObjectStore
 from labkit.profiles import profile
-from labkit.remote_model import RemoteModel, probe_remote, remote_workers
+from labkit.remote_model import RemoteModel, probe_remote, remote_plan
 
 
 def test_decode_returns_training_resolution_pixels(small_dataset):
@@ -113,7 +113,7 @@ def test_the_ladder_measures_each_rung(small_dataset):
     run.remote()
     assert set(run.results) == {"in RAM", "remote, no cache"}
     assert run.requests["remote, no cache"] == 40, "the probe's GETs are not the rung's"
-    assert run.remote_model.workers == 1 and run.remote_vs_model() > 0
+    assert run.remote_model.workers == 1 and run.remote_model.images == 40 and run.remote_vs_model() > 0
     assert run.results["in RAM"].busy_fraction > run.results["remote, no cache"].busy_fraction
     assert [row["rung"] for row in run.table()] == ["in RAM", "remote, no cache"]
 
@@ -216,20 +216,22 @@ def test_workers_hide_compute_behind_decoding_by_the_meters_arithmetic():
 
 
 def test_the_remote_model_is_littles_law():
-    model = RemoteModel(workers=2, latency_ms=10, get_ms=11, decode_ms=1)
+    model = RemoteModel(workers=2, images=512, latency_ms=10, get_ms=11, decode_ms=1)
     assert model.images_per_s == pytest.approx(2000 / 12)
     assert model.latency_share == pytest.approx(10 / 12)
     assert "2 workers" in model.describe()
 
 
-def test_the_remote_rung_has_at_most_one_worker_per_two_batches():
+def test_the_remote_rung_reads_two_batches_per_worker():
     sizes = lambda workers, images: ladder.LadderSizes(
         num_images=1000, image_px=32, batch_size=100, workers=workers, accelerator_images_per_s=1,
         remote_latency_ms=0, remote_images=images, fast_epochs=1)
-    assert remote_workers(sizes(2, 400)) == 2
-    assert remote_workers(sizes(8, 400)) == 2
-    assert remote_workers(sizes(8, 150)) == 1
-    assert remote_workers(sizes(0, 1000)) == 1
+    assert remote_plan(sizes(2, 400)) == (2, 400)
+    assert remote_plan(sizes(8, 400)) == (2, 400)
+    assert remote_plan(sizes(8, 750)) == (3, 600), "no worker gets a third batch while others idle"
+    assert remote_plan(sizes(16, 8000)) == (16, 3200)
+    assert remote_plan(sizes(8, 150)) == (1, 150)
+    assert remote_plan(sizes(0, 1000)) == (1, 200)
 
 
 def test_probe_remote_times_a_get_and_a_decode(small_dataset):
@@ -238,6 +240,7 @@ def test_probe_remote_times_a_get_and_a_decode(small_dataset):
         fetch = HttpFetch([store.url(path) for path in paths[:8]])
         model = probe_remote(fetch, workers=3, image_px=32, latency_ms=5, count=8)
         assert store.requests("GET") == 9  # one to open the connection, then one per probed object
+        assert model.images == 8
         with pytest.raises(ValueError, match=r"count must be in \[1, 8\]"):
             probe_remote(fetch, workers=3, image_px=32, latency_ms=5, count=9)
     assert model.get_ms >= 5 and model.decode_ms > 0 and model.workers == 3
