@@ -21,8 +21,15 @@ def failing_rank(bad_rank: int) -> int:
 
 
 def hanging_rank(pid_dir: str) -> None:
-    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as handle:
+    """Write this rank's pid, then hang (rank 0) or wait for it (the others).
+
+    The pid file appears whole (written aside, then renamed): a test that polls for it read an empty
+    file once, between the open and the write (CI rehearsal, 2026-12-04).
+    """
+    path = os.path.join(pid_dir, f"{dist.get_rank()}.pid")
+    with open(path + ".tmp", "w") as handle:
         handle.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
     if dist.get_rank() == 0:
         time.sleep(3600)
     dist.barrier()
