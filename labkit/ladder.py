@@ -27,7 +27,7 @@ from labkit.meter import MeterSummary, StepMeter
 from labkit.paths import data_dir
 from labkit.plots import BASELINE, FIX, WARN, bars, figure
 from labkit.profiles import Profile
-from labkit.remote_model import PROBE_IMAGES, RemoteModel, probe_remote, remote_plan
+from labkit.remote_model import RemoteModel, probe_remote, remote_plan
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class Ladder:
         with self.accelerator.host_side(), self._store() as store:
             fetch = objectstore.HttpFetch([store.url(path) for path in self.paths[:count]])
             self.remote_model = probe_remote(fetch, workers=workers, image_px=self.sizes.image_px,
-                                             latency_ms=self.sizes.remote_latency_ms, count=min(PROBE_IMAGES, count))
+                                             latency_ms=self.sizes.remote_latency_ms)
             probed = store.requests("GET")
             loader = loaders.fetched_loader(fetch, self.labels[:count], batch_size=self.sizes.batch_size,
                                             image_px=self.sizes.image_px, num_workers=workers)

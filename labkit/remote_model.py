@@ -76,12 +76,14 @@ def remote_plan(sizes: "LadderSizes") -> tuple[int, int]:
 
 
 def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, latency_ms: float,
-                 count: int = PROBE_IMAGES) -> RemoteModel:
+                 count: int | None = None) -> RemoteModel:
     """Time what one remote worker does per image, GET then decode, in this process, one at a time.
 
-    ``fetch`` reaches the objects the rung will read. The connection is opened
+    ``fetch`` reaches the objects the rung will read; ``count`` of them are timed
+    (default :data:`PROBE_IMAGES`, or all if fewer). The connection is opened
     before the clock starts: a worker opens it once and reuses it.
     """
+    count = min(PROBE_IMAGES, len(fetch)) if count is None else count
     if count < 1 or count > len(fetch):
         raise ValueError(f"count must be in [1, {len(fetch)}] (the objects fetch can reach), got {count}")
     fetch(0)

@@ -243,4 +243,6 @@ def test_probe_remote_times_a_get_and_a_decode(small_dataset):
         assert model.images == 8
         with pytest.raises(ValueError, match=r"count must be in \[1, 8\]"):
             probe_remote(fetch, workers=3, image_px=32, latency_ms=5, count=9)
+        probe_remote(fetch, workers=3, image_px=32, latency_ms=5)
+        assert store.requests("GET") == 18, "by default it probes every object when there are fewer than PROBE_IMAGES"
     assert model.get_ms >= 5 and model.decode_ms > 0 and model.workers == 3
