@@ -2,10 +2,11 @@
 file path's busy fraction; one worker hides > 50% of the compute behind decoding; the remote rung runs
 at 0.75-1.25x its Little's-law model (the notebook's asserts).
 
-    python benchmarks/lab01_input_pipeline.py [--profile ci] [--repeats 1] [--gets-in-turn]
+    python benchmarks/lab01_input_pipeline.py [--profile ci] [--repeats 1] [--sabotage TEXT]
 
-``--gets-in-turn`` makes the loader's workers take turns on the store (one GET at a time, as Lab 1's
-sabotage does), to show what the remote rung's band must reject: about 0.5x with 2 workers.
+``--sabotage TEXT`` first applies the Lab 1 sabotage of ``tests/test_sabotage.py`` whose name contains
+TEXT, to show the figures an assert must reject: ``--sabotage "take turns"`` (the workers take turns on
+the store, one GET at a time) puts the remote rung near 0.5x its model with 2 workers.
 
 On a CPU-only machine the accelerator is Lab 1's real model on a core of its own, made once and
 reused by every repeat (as the notebook does).
@@ -14,33 +15,37 @@ reused by every repeat (as the notebook does).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import sys
+import textwrap
+from pathlib import Path
 
 import labkit
 from labkit import accelerator as accel
-from labkit import dataset, ladder, objectstore
+from labkit import dataset, ladder
 from labkit.devices import describe_machine
 
 
-def gets_in_turn() -> None:
-    """Wrap ``HttpFetch.get`` in one lock that the forked DataLoader workers share."""
-    get, lock = objectstore.HttpFetch.get, multiprocessing.Lock()
+def apply_sabotage(text: str) -> None:
+    """Run the code of the one Lab 1 sabotage whose name contains ``text`` (the suite keeps one copy of it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for tests/
+    from tests.test_sabotage import SABOTAGES
 
-    def get_in_turn(self, url, byte_range=None):
-        with lock:
-            return get(self, url, byte_range)
-
-    objectstore.HttpFetch.get = get_in_turn
+    chosen = [s for s in SABOTAGES if s.notebook.startswith("01_") and text in s.name]
+    if len(chosen) != 1:
+        names = [s.name for s in SABOTAGES if s.notebook.startswith("01_")]
+        raise SystemExit(f"--sabotage {text!r} must name exactly one of Lab 1's sabotages: {names}")
+    print("sabotaged:", chosen[0].name)
+    exec(compile(textwrap.dedent(chosen[0].code), "<sabotage>", "exec"), {"__name__": "__sabotage__"})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--gets-in-turn", action="store_true")
+    parser.add_argument("--sabotage", default=None, metavar="TEXT")
     args = parser.parse_args()
-    if args.gets_in_turn:
-        gets_in_turn()
+    if args.sabotage:
+        apply_sabotage(args.sabotage)
     prof = labkit.profile(args.profile)
     sizes = prof.pick(ladder.SIZES)
     print(describe_machine())
