@@ -180,7 +180,9 @@ def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--max-restarts", "1", "-m", "labkit.recovery_rank", "--kwargs", json.dumps(kwargs)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+        # torchrun leaves a torchelastic_* folder in the temp dir; keep it inside tmp_path.
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "run").glob("attempt-*")) == ["attempt-000", "attempt-001"]
