@@ -5,8 +5,8 @@ slowest link a job's placement crosses. This module gives it link costs measured
 on a :class:`labkit.fabric.Fabric` instead of a table. One fabric of two zones of
 two nodes (1 Gbit/s node links, zones joined at 0.25 Gbit/s) runs the same small
 data-parallel job twice, one rank per node: on both nodes of one zone, then on one
-node in each zone. Two ranks, not four: each spawned rank costs this 2-core box
-seconds of CPU to import torch, and two ranks' compute fits its two cores. For
+node in each zone. Two ranks, not four: two ranks' compute fits this 2-core box's
+two cores, four would share them and time each other's work. For
 each placement we keep
 
 * the job's step time and its compute time per step (the slowest rank's),
