@@ -2,7 +2,7 @@
 
 Distributed labs must use real processes and real collectives: a simulation in
 one process hides exactly the costs the labs measure. ``launch`` starts the ranks
-from a *forkserver* (safe from a notebook, see :func:`rank_context`), sets the variables ``torchrun``
+from a fork server (safe from a notebook, see :func:`labkit.processes.fork_server_context`), sets the variables ``torchrun``
 would set, pins one thread per rank on the CPU (otherwise two gloo ranks on two
 cores fight over threads and run ~10x slower), initialises the process group, and
 returns each rank's result in rank order.
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit import dsops
-from labkit.processes import die_with_parent, kill_group, killpg, running
+from labkit.processes import die_with_parent, fork_server_context, kill_group, killpg, running
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def launch(
     port = free_port()
     remove_stale_log_dirs()
     log_dir = Path(tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-"))
-    ctx = rank_context()
+    ctx = fork_server_context()
     procs, conns, logs = [], [], []
     keep_logs = False
     try:
@@ -254,28 +254,6 @@ def launch(
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
     return results
-
-
-RANK_SERVER = "labkit.rank_server"
-"""The module the fork server imports: torch once for every rank (not DeepSpeed: it picks its accelerator on import)."""
-
-
-def rank_context() -> Any:
-    """The multiprocessing context ranks start from: a fork server that has imported torch once.
-
-    Spawn (a fresh interpreter per rank) is safe from a notebook but makes every rank of every
-    launch import torch again: ~1.7 s a launch on the 2-core CI box, for a course that launches
-    ranks dozens of times. A fork server is as safe (a clean process started by spawn that has done
-    nothing but these imports: no CUDA context, no lock held) and forks ranks with torch already
-    imported (a launch of two trivial ranks: 0.05 s after the first, against 1.6-2.4 s).
-    It lives as long as the process that started it and dies with it (:mod:`labkit.rank_server`). What a rank
-    must see of its parent now, not of the server's birth, travels with it: the environment
-    (:func:`_rank_env`) and, through multiprocessing's own preparation data, the working folder
-    and ``sys.path``.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([RANK_SERVER])
-    return ctx
 
 
 def _check_launch(world_size: int, backend: str, timeout_s: float, fabric: Any) -> None:

@@ -1,4 +1,4 @@
-"""What the launcher's fork server imports before it forks any rank (see :func:`labkit.launcher.rank_context`).
+"""What the launcher's fork server imports before it forks any rank (see :func:`labkit.processes.fork_server_context`).
 
 Importing this module is the server's whole set-up, and nothing else should import it:
 
