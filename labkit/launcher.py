@@ -121,6 +121,7 @@ def check_backend(backend: str) -> None:
 
 def _setup_rank_process(backend: str) -> None:
     os.environ["LABKIT_BACKEND"] = backend
+    dsops.cache_cpu_info()
     if backend == "gloo":
         # A gloo rank is a CPU rank. On a GPU machine DeepSpeed would otherwise pick the
         # CUDA accelerator and put every rank's engine on a GPU (cuda:1 on a one-GPU box).
