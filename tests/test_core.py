@@ -329,3 +329,13 @@ def test_a_temporary_folder_is_removed_when_its_program_is_stopped(tmp_path, sto
         proc.kill()
         proc.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_info_is_probed_once_per_process(monkeypatch):
+    cpuinfo = pytest.importorskip("cpuinfo")
+    probes = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: probes.append(1) or {"vendor_id_raw": "x"})
+    dsops.cache_cpu_info()
+    dsops.cache_cpu_info()   # a second install must not wrap the cache again
+    assert cpuinfo.get_cpu_info() is cpuinfo.get_cpu_info()
+    assert len(probes) == 1
