@@ -2,8 +2,8 @@
 
 Distributed labs must use real processes and real collectives: a simulation in
 one process hides exactly the costs the labs measure. ``launch`` starts the ranks
-from a fork server (safe from a notebook, see :func:`labkit.processes.fork_server_context`), sets the variables ``torchrun``
-would set, pins one thread per rank on the CPU (otherwise two gloo ranks on two
+from a fork server (safe from a notebook: :func:`labkit.processes.fork_server_context`),
+sets the variables ``torchrun`` would set, pins one thread per rank on the CPU (otherwise two gloo ranks on two
 cores fight over threads and run ~10x slower), initialises the process group, and
 returns each rank's result in rank order.
 

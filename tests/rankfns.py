@@ -48,3 +48,8 @@ def deepspeed_accelerator_rank() -> tuple[str, str]:
     from deepspeed.accelerator import get_accelerator
 
     return os.environ.get("DS_ACCELERATOR", ""), get_accelerator().device_name()
+
+
+def env_rank(name: str) -> tuple[str | None, str]:
+    """This rank's value of ``name`` and its working folder."""
+    return os.environ.get(name), os.getcwd()

@@ -34,6 +34,16 @@ def test_a_hung_rank_times_out_and_no_rank_survives(tmp_path):
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
+def test_ranks_see_the_callers_environment_and_folder_of_now_not_the_fork_servers(tmp_path, monkeypatch):
+    """The fork server started with the first launch; what the caller changed since must reach the ranks."""
+    launch(rankfns.allreduce_rank, 2, value=1.0)   # the server is up from here on
+    monkeypatch.setenv("LABKIT_TEST_SET_LATER", "yes")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert launch(rankfns.env_rank, 2, name="LABKIT_TEST_SET_LATER") == [("yes", str(tmp_path))] * 2
+    assert launch(rankfns.env_rank, 2, name="HOME") == [(None, str(tmp_path))] * 2
+
+
 def test_functions_from_a_notebook_cell_are_refused_with_the_fix():
     def local_fn():
         return 1
