@@ -51,12 +51,18 @@ class Sabotage:
 # not six; Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
 # reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
 # again); with every loader forced to decode in the training loop, one round of the worker sweep
-# shows it as well as three (18 s -> 10 s). Each trim alone leaves its failing cell passing (checked with
+# shows it as well as three (18 s -> 10 s). Where the failing cell reads GET counts or the store's rate,
+# not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
+# (about 4 s of each run's set-up). Each trim alone leaves its failing cell passing (checked with
 # `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
     import dataclasses
     from labkit import ladder
     ladder.SIZES = {name: dataclasses.replace(size, remote_latency_ms=2) for name, size in ladder.SIZES.items()}
+"""
+TRIM_LAB1_STAND_IN = """
+    from labkit import accelerator
+    accelerator.split_cores = lambda: None
 """
 TRIM_LAB1_ONE_ROUND = """
     from labkit import ladder
@@ -125,7 +131,7 @@ SABOTAGES = [
         _file_loader = loaders.file_loader
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
-             needs=("cell-01", "cell-05", "cell-03", "cell-22"), trim=TRIM_LAB1_ONE_ROUND),
+             needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-22"), trim=TRIM_LAB1_ONE_ROUND),
     Sabotage("01_input_pipeline", "the loader's workers take turns on the store, one GET at a time", """
         import multiprocessing
         from labkit import objectstore
@@ -134,7 +140,8 @@ SABOTAGES = [
             with _one_at_a_time:
                 return _get(self, url, byte_range)
         objectstore.HttpFetch.get = _get_in_turn
-    """, fails_at="cell-12b", says="GETs in flight", needs=("cell-01", "cell-05", "cell-03", "cell-12")),
+    """, fails_at="cell-12b", says="GETs in flight", needs=("cell-01", "cell-05", "cell-03", "cell-12"),
+             trim=TRIM_LAB1_STAND_IN),
     Sabotage("01_input_pipeline", "the raw cache GETs every object again while it trains", """
         from labkit import loaders
         _fill = loaders.RawCache.fill.__func__
@@ -146,7 +153,7 @@ SABOTAGES = [
         loaders.RawCache.__call__ = lambda self, index: self.fetch(index)
     """, fails_at="cell-15", says="training from it asks the store for nothing",
              needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "cell-12", "cell-14"),
-             trim=TRIM_LAB1_SHORT_LATENCY),
+             trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px
