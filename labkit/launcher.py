@@ -3,9 +3,9 @@
 Distributed labs must use real processes and real collectives: a simulation in
 one process hides exactly the costs the labs measure. ``launch`` starts the ranks
 from a fork server (safe from a notebook: :func:`labkit.processes.fork_server_context`),
-sets the variables ``torchrun`` would set, pins one thread per rank on the CPU (otherwise two gloo ranks on two
-cores fight over threads and run ~10x slower), initialises the process group, and
-returns each rank's result in rank order.
+sets the variables ``torchrun`` would set, pins one thread per rank on the CPU
+(otherwise two gloo ranks on two cores fight over threads and run ~10x slower),
+initialises the process group, and returns each rank's result in rank order.
 
 Failures are loud and leave nothing behind: a rank's exception is re-raised in
 the caller with its remote traceback and the tail of its log; a hang ends with
@@ -272,7 +272,7 @@ def _rank_env(
     rank: int, world_size: int, port: int, backend: str, timeout_s: float, fabric: Any, env: dict[str, str] | None
 ) -> dict[str, str]:
     """The caller's whole environment as it is now (a fork server's children would otherwise see the server's),
-    the variables ``torch.distributed`` reads (the ones ``torchrun`` would set), the fabric's and the caller's."""
+    then the variables ``torch.distributed`` reads (the ones ``torchrun`` would set), the fabric's and ``env``."""
     return {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",

@@ -51,7 +51,7 @@ class Sabotage:
 # not six; Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
 # reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
 # again); with every loader forced to decode in the training loop, one round of the worker sweep
-# shows it as well as three (18 s -> 10 s). Where the failing cell reads GET counts or the store's rate,
+# shows it as well as three (18 s -> 15 s, with the files rung cell-23 also reads). Where the failing cell reads GET counts or the store's rate,
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Each trim alone leaves its failing cell passing (checked with
 # `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
