@@ -58,9 +58,21 @@ def test_bad_sizes_name_the_argument():
 
 
 def test_only_the_overlapped_pipeline_has_copies_in_flight_during_compute():
-    batches, weight = overlap.make_workload("cpu", SMALL)
-    assert overlap.serial_pipeline(batches, weight).concurrent_ms() == 0
-    assert overlap.overlapped_pipeline(batches, weight).concurrent_ms() > 0
+    # Copies paced to a 200 MB/s link last 5 ms each, so the prefetcher is mid-copy whenever a
+    # compute starts. Raw 1 MB memcpys (0.1 ms) could finish before the main thread woke: on a
+    # loaded 2-core CI box that left no overlap at all once (``assert 0.0 > 0``).
+    sizes = overlap.OverlapSizes(batches=6, batch_rows=512, features=512, compute_width=16, repeats=1,
+                                 link_bytes_per_s=200e6)
+    batches, weight = overlap.make_workload("cpu", sizes)
+    assert overlap.serial_pipeline(batches, weight, link_bytes_per_s=sizes.link_bytes_per_s).concurrent_ms() == 0
+    overlapped = overlap.overlapped_pipeline(batches, weight, link_bytes_per_s=sizes.link_bytes_per_s)
+    assert overlapped.concurrent_ms() > 0
+
+
+def test_overlaps_shorter_than_the_timer_resolution_are_rounding():
+    touching = [("copy", 0.0, 1.0005), ("compute", 1.0, 2.0)]
+    assert overlap.PipelineRun("serial", 3.0, touching, resolution_ms=0.002).concurrent_ms() == 0
+    assert overlap.PipelineRun("serial", 3.0, touching).concurrent_ms() > 0
 
 
 def test_emulated_link_paces_the_copy_to_its_rate_and_copies_every_byte():
