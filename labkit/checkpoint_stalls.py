@@ -9,6 +9,7 @@ torch.distributed.checkpoint does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -71,6 +72,66 @@ def _train_step(model, optimizer, position: int, device, batch: int = 32) -> flo
     loss.backward()
     optimizer.step()
     return loss.item()
+
+
+HIDE_MARGIN = 2.0
+"""How many write-times of training :func:`plan_sizes` puts between saves. A write that
+runs beside training is slower than one alone (on an H200 machine an async write took
+1.6x the sync one), and a save that finds the previous write unfinished waits for it."""
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What :func:`plan_sizes` measured, and the sizes it chose from it."""
+
+    step_s: float
+    write_s: float
+    sizes: StallSizes
+
+    def describe(self) -> str:
+        interval = self.sizes.save_every * self.step_s
+        return (f"measured: a training step {self.step_s * 1e3:.1f} ms, one synchronous save {self.write_s * 1e3:.0f} ms; "
+                f"saving every {self.sizes.save_every} steps leaves {interval * 1e3:.0f} ms of training between saves "
+                f"({interval / self.write_s:.1f}x the write), {self.sizes.steps // self.sizes.save_every} saves per run")
+
+
+def plan_sizes(sizes: StallSizes, directory: str | Path, *, device: str | torch.device = "cpu",
+               steps: int = 5) -> SavePlan:
+    """``sizes`` with ``save_every`` raised until a write fits :data:`HIDE_MARGIN` times between saves.
+
+    An async save hides its write only if training runs long enough between saves for
+    the write to finish; otherwise the next save waits for it, and "async" blocks
+    about as long as "sync". How long that is depends on this machine: a GPU step on
+    Lab 7's model takes about 10 ms, a CPU step far longer, a disk writes at 0.5 GB/s
+    or at 5. So time ``steps`` training steps and one synchronous save of this state
+    here, and derive the interval from them. The number of saves per run stays the
+    profile's; ``save_every`` never drops below the profile's.
+    """
+    device = torch.device(device)
+    model, optimizer = make_model(sizes.state_mb, device=device)
+    from labkit.devices import synchronize
+
+    times = []
+    for position in range(steps + 1):  # the first step warms up and is not timed
+        start = time.perf_counter()
+        _train_step(model, optimizer, position, device)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    step_s = sorted(times[1:])[len(times[1:]) // 2]
+    with savers.SyncSaver(directory, keep=1) as saver:
+        start = time.perf_counter()
+        saver.save(1, checkpoint.capture_training_state(model, optimizer, loader_position=1))
+        write_s = time.perf_counter() - start
+    return SavePlan(step_s=step_s, write_s=write_s, sizes=sizes_for(sizes, step_s=step_s, write_s=write_s))
+
+
+def sizes_for(sizes: StallSizes, *, step_s: float, write_s: float) -> StallSizes:
+    """The pure half of :func:`plan_sizes`: ``save_every`` such that HIDE_MARGIN writes fit between saves."""
+    if step_s <= 0 or write_s < 0:
+        raise ValueError(f"step_s must be > 0 and write_s >= 0, got {step_s} and {write_s}")
+    save_every = max(sizes.save_every, math.ceil(HIDE_MARGIN * write_s / step_s))
+    saves = sizes.steps // sizes.save_every
+    return dataclasses.replace(sizes, steps=saves * save_every, save_every=save_every)
 
 
 @dataclass(frozen=True)

@@ -462,3 +462,27 @@ def test_cuda_rng_state_is_captured_and_restored_when_cuda_is_in_use(monkeypatch
     generator_states[0] = torch.tensor([9, 9, 9], dtype=torch.uint8)
     restore_training_state(state, model, optimizer)
     assert [s.tolist() for s in restored[0]] == [[1, 2, 3]]
+
+
+def test_the_save_interval_leaves_room_for_two_writes_and_keeps_the_number_of_saves():
+    from labkit.checkpoint_stalls import StallSizes, sizes_for
+
+    base = StallSizes(state_mb=512, steps=60, save_every=10, dcp_state_mb_per_rank=256, dcp_saves=4)
+    # An H200 machine's figures: 11.5 ms steps, 1.08 s sync writes (every 10 steps is 115 ms: the write cannot hide).
+    planned = sizes_for(base, step_s=0.0115, write_s=1.08)
+    assert planned.save_every * 0.0115 >= 2 * 1.08
+    assert planned.steps // planned.save_every == 6
+    # A write already shorter than half the interval keeps the profile's interval.
+    assert sizes_for(base, step_s=0.1, write_s=0.2) == base
+    with pytest.raises(ValueError, match="step_s must be > 0"):
+        sizes_for(base, step_s=0, write_s=1)
+
+
+def test_plan_sizes_times_steps_and_a_save_here(tmp_path):
+    from labkit.checkpoint_stalls import StallSizes, plan_sizes
+
+    base = StallSizes(state_mb=4, steps=4, save_every=2, dcp_state_mb_per_rank=4, dcp_saves=2)
+    plan = plan_sizes(base, tmp_path, steps=2)
+    assert plan.step_s > 0 and plan.write_s > 0
+    assert plan.sizes.save_every * plan.step_s >= 2 * plan.write_s or plan.sizes.save_every == base.save_every
+    assert "saves per run" in plan.describe()

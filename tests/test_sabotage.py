@@ -235,7 +235,7 @@ SABOTAGES = [
             return stats
         savers.AsyncSaver.save = _save_and_wait
     """, fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
-             needs=('09780d08', 'f13536ac')),
+             needs=('09780d08', 'plan-k', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
