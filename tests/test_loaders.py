@@ -172,14 +172,17 @@ def _fake_gpu(monkeypatch, measured_width=256):
     return asked
 
 
-def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured(monkeypatch):
+def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured_sized_to_the_loader(small_dataset, monkeypatch):
     asked = _fake_gpu(monkeypatch)
+    monkeypatch.setattr(loaders, "stage_costs", lambda paths, image_px, repeats: {"resize": 1.0})   # 1000 images/s
+    monkeypatch.setattr(accel, "split_cores", lambda: ({15}, set(range(15))))
     sizes = ladder.SIZES["gpu"]
     gpu = profile("ci").__class__("gpu", device="cuda", ranks=2, rank_device="cpu", backend="gloo")
-    accelerator = ladder.accelerator_for(gpu, sizes, dataset=None)
+    accelerator = ladder.accelerator_for(gpu, sizes, small_dataset)
     assert (accelerator.device, accelerator.width) == ("cuda", 256)
-    assert asked == [("cuda", {"images_per_s": sizes.accelerator_images_per_s, "batch_size": sizes.batch_size,
-                               "image_px": sizes.image_px})]
+    loader_cores = min(sizes.workers, 15)
+    assert asked == [("cuda", {"images_per_s": pytest.approx(ladder.ACCELERATOR_OVER_LOADER * loader_cores * 1000),
+                               "batch_size": sizes.batch_size, "image_px": sizes.image_px, "closest": True})]
 
 
 def test_lab1_on_the_cpu_runs_a_real_model_on_its_own_core_sized_to_the_loader(small_dataset, monkeypatch):
@@ -246,3 +249,17 @@ def test_probe_remote_times_a_get_and_a_decode(small_dataset):
         probe_remote(fetch, workers=3, image_px=32, latency_ms=5)
         assert store.requests("GET") == 18, "by default it probes every object when there are fewer than PROBE_IMAGES"
     assert model.get_ms >= 5 and model.decode_ms > 0 and model.workers == 3
+
+
+def test_compute_share_is_the_accelerators_part_of_an_images_time_without_workers():
+    def serial(images_per_s, compute_ms):
+        return MeterSummary(steps=10, items=1000, wait_ms=0, compute_ms=compute_ms, stolen_ms=0,
+                            busy_fraction=0.5, items_per_s=images_per_s, step_ms=1, load_avg=0)
+
+    # The H200 machine's 0-worker rung: 1066 images/s, 0.03 ms of compute an image.
+    assert ladder.compute_share(serial(1066, 30)) == pytest.approx(0.032, abs=0.001)
+    assert ladder.compute_share(serial(1066, 30)) < ladder.HIDDEN_SHARE_RESOLVABLE
+    # A CPU-sized accelerator: 0.33 ms of a 1.33 ms image.
+    assert ladder.compute_share(serial(750, 333)) == pytest.approx(0.25, abs=0.01)
+    with pytest.raises(ValueError, match="serial needs measured items"):
+        ladder.compute_share(serial(0, 1))
