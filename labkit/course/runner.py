@@ -210,8 +210,8 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
         finally:
             os.environ.clear()
             os.environ.update(env_before)
+            nbformat.write(nb, lab_dir / lab.notebook)  # a stopped run keeps the cells it ran
     seconds = time.perf_counter() - start
-    nbformat.write(nb, lab_dir / lab.notebook)
     return LabRun(lab, passed=not error, seconds=seconds, error=error,
                   figures=results.read(figures_path), images=_save_images(nb, lab_dir))
 
