@@ -253,6 +253,24 @@ class Ladder:
             self.results[f"files, {w} workers"] = summary
         return best
 
+    def draft_comparison(self, *, rounds: int = 3) -> tuple[MeterSummary, MeterSummary]:
+        """The file path decoding full JPEGs and with ``draft`` decode, taking turns, best of ``rounds`` each.
+
+        One epoch of each, minutes apart, compared the "files" rung with a draft run
+        made after the worker sweep: a busy spell on a shared CI box landed on the
+        draft side once and it came out under 1.1x files (on a quiet box 1.6-2.3x).
+        """
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        best: dict[bool, MeterSummary] = {}
+        for _ in range(rounds):
+            for draft in (False, True):
+                summary = self.files(draft=draft, rung="files + draft decode" if draft else "files, full decode")
+                if draft not in best or summary.items_per_s > best[draft].items_per_s:
+                    best[draft] = summary
+        self.results["files, full decode"], self.results["files + draft decode"] = best[False], best[True]
+        return best[False], best[True]
+
     def model_on_the_loaders_cpu(self, workers: int, *, num_images: int, width: int = 24,
                                  rounds: int = 3) -> dict[str, MeterSummary]:
         """The aside: a real model on the *same* CPU as the loader workers.
