@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit import dsops
-from labkit.processes import die_with_parent, fork_server_context, kill_group, killpg, running
+from labkit.processes import MP_DIR_PREFIX, die_with_parent, fork_server_context, kill_group, killpg, running
 
 
 @dataclass(frozen=True)
@@ -194,19 +194,21 @@ def _tail(path: Path, lines: int = 15) -> str:
 LOG_DIR_PREFIX = "labkit-ranks-"
 
 
-def remove_stale_log_dirs() -> list[Path]:
-    """Remove rank log folders whose launching process is gone; returns them.
+def remove_stale_dirs() -> list[Path]:
+    """Remove rank log folders and fork-server folders whose process is gone; returns them.
 
     A failed launch keeps its ranks' logs for the person reading the error, for as
-    long as the process that launched them (a notebook's kernel) lives. A process
-    killed outright never cleans up, so every launch sweeps up after dead ones.
+    long as the process that launched them (a notebook's kernel) lives; its fork
+    server's socket folder lives as long (:func:`labkit.processes.own_multiprocessing_folder`).
+    A process killed outright never cleans up, so every launch sweeps up after dead ones.
     """
     removed = []
-    for folder in Path(tempfile.gettempdir()).glob(f"{LOG_DIR_PREFIX}*-*"):
-        pid = folder.name[len(LOG_DIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and not running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+    for prefix in (LOG_DIR_PREFIX, MP_DIR_PREFIX):
+        for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+            pid = folder.name[len(prefix):].split("-")[0]
+            if pid.isdigit() and not running(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
     return removed
 
 
@@ -233,7 +235,7 @@ def launch(
     ref = _function_ref(fn)
     dsops.use_environment_extensions_dir()
     port = free_port()
-    remove_stale_log_dirs()
+    remove_stale_dirs()
     log_dir = Path(tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-"))
     ctx = fork_server_context()
     procs, conns, logs = [], [], []

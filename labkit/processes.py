@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -164,6 +165,28 @@ def fork_server_context() -> Any:
     (the launcher's ``_rank_env``) and, through multiprocessing's own preparation data, the working folder
     and ``sys.path``.
     """
+    own_multiprocessing_folder()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([RANK_SERVER])
     return ctx
+
+
+MP_DIR_PREFIX = "labkit-mp-"
+
+
+def own_multiprocessing_folder() -> Path:
+    """This process's multiprocessing folder, named ``labkit-mp-<pid>-*`` so a sweep can find it once the pid is gone.
+
+    multiprocessing keeps the fork server's socket in a ``pymp-*`` folder of its own
+    and removes it at a clean interpreter exit only. A notebook's kernel is often
+    stopped by a kill (nbclient's shutdown, ``labkit run`` on a signal), and the
+    folder stayed in /tmp for good: 181 of them had piled up on the CI box here in a
+    day of test runs. :func:`labkit.launcher.remove_stale_dirs` sweeps these like the
+    rank log folders. Only a folder multiprocessing has not chosen yet can be named.
+    """
+    config = multiprocessing.process.current_process()._config  # where multiprocessing.util.get_temp_dir looks
+    if config.get("tempdir") is None:
+        folder = tempfile.mkdtemp(prefix=f"{MP_DIR_PREFIX}{os.getpid()}-")
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+        config["tempdir"] = folder
+    return Path(config["tempdir"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launcher import LOG_DIR_PREFIX
+from labkit.launcher import LOG_DIR_PREFIX, remove_stale_dirs
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +22,13 @@ def _no_rank_logs_left_behind():
     yield
     for folder in set(Path(tempfile.gettempdir()).glob(pattern)) - before:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_fork_server_folders_left_behind():
+    """Tests that kill a launching process on purpose leave its ``labkit-mp-<pid>-*`` folder; sweep them at the end."""
+    yield
+    remove_stale_dirs()
 
 
 @pytest.fixture()

@@ -120,18 +120,49 @@ def test_a_rank_dies_with_its_parent(tmp_path):
     assert not [pid for pid in pids if running(pid)]
 
 
-def test_log_folders_of_dead_launchers_are_swept_up(tmp_path, monkeypatch):
+def test_log_and_fork_server_folders_of_dead_launchers_are_swept_up(tmp_path, monkeypatch):
     import subprocess
     import tempfile
 
-    from labkit.launcher import LOG_DIR_PREFIX, remove_stale_log_dirs
+    from labkit.launcher import LOG_DIR_PREFIX, remove_stale_dirs
+    from labkit.processes import MP_DIR_PREFIX
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_path / f"{LOG_DIR_PREFIX}{dead.pid}-abc"
-    mine = tmp_path / f"{LOG_DIR_PREFIX}{os.getpid()}-def"
-    stale.mkdir()
-    mine.mkdir()
-    assert remove_stale_log_dirs() == [stale]
-    assert mine.exists() and not stale.exists()
+    stale = [tmp_path / f"{LOG_DIR_PREFIX}{dead.pid}-abc", tmp_path / f"{MP_DIR_PREFIX}{dead.pid}-abc"]
+    mine = [tmp_path / f"{LOG_DIR_PREFIX}{os.getpid()}-def", tmp_path / f"{MP_DIR_PREFIX}{os.getpid()}-def"]
+    for folder in stale + mine:
+        folder.mkdir()
+    assert sorted(remove_stale_dirs()) == sorted(stale)
+    assert all(f.exists() for f in mine) and not any(f.exists() for f in stale)
+
+
+KILLED_LAUNCHER = """
+import multiprocessing.util, os
+from labkit.launcher import launch
+from tests.rankfns import env_rank
+launch(env_rank, 1, name="HOME")
+print(multiprocessing.util.get_temp_dir(), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_killed_launchers_fork_server_folder_is_named_for_it_and_swept(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from labkit.launcher import remove_stale_dirs
+    from labkit.processes import MP_DIR_PREFIX
+
+    # A kernel stopped by SIGKILL runs no exit hook: multiprocessing's own pymp-* folder stayed for good.
+    done = subprocess.run([sys.executable, "-c", KILLED_LAUNCHER], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(tmp_path)})
+    folder = Path(done.stdout.strip())
+    assert folder.name.startswith(MP_DIR_PREFIX) and folder.parent == tmp_path, done.stdout + done.stderr[-3000:]
+    assert folder.exists(), "SIGKILL leaves the folder behind"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert folder in remove_stale_dirs()
+    assert not folder.exists()

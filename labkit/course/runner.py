@@ -171,9 +171,9 @@ def _forget_kernel(client: _ProgressClient) -> None:
     context can block forever on sockets the abandoned thread still holds (seen
     in the test suite: ``labkit run`` never exited after SIGTERM).
     """
-    from labkit.launcher import remove_stale_log_dirs
+    from labkit.launcher import remove_stale_dirs
 
-    remove_stale_log_dirs()
+    remove_stale_dirs()
     atexit.unregister(client._cleanup_kernel)
     if client.km is not None:
         client.km.cleanup_connection_file()
