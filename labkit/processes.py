@@ -180,8 +180,8 @@ def own_multiprocessing_folder() -> Path:
     multiprocessing keeps the fork server's socket in a ``pymp-*`` folder of its own
     and removes it at a clean interpreter exit only. A notebook's kernel is often
     stopped by a kill (nbclient's shutdown, ``labkit run`` on a signal), and the
-    folder stayed in /tmp for good: 181 of them had piled up on the CI box here in a
-    day of test runs. :func:`labkit.launcher.remove_stale_dirs` sweeps these like the
+    folder stayed in /tmp for good: 181 of them had piled up on the 2-core box in a
+    few hours of test runs. :func:`labkit.launcher.remove_stale_dirs` sweeps these like the
     rank log folders. Only a folder multiprocessing has not chosen yet can be named.
     """
     config = multiprocessing.process.current_process()._config  # where multiprocessing.util.get_temp_dir looks
