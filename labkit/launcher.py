@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit import dsops
-from labkit.processes import MP_DIR_PREFIX, die_with_parent, fork_server_context, kill_group, killpg, running
+from labkit.processes import (MP_DIR_PREFIX, die_with_parent, fork_server_context, kill_group, killpg,
+                              multiprocessing_base_dir, running)
 
 
 @dataclass(frozen=True)
@@ -203,8 +204,9 @@ def remove_stale_dirs() -> list[Path]:
     A process killed outright never cleans up, so every launch sweeps up after dead ones.
     """
     removed = []
-    for prefix in (LOG_DIR_PREFIX, MP_DIR_PREFIX):
-        for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+    places = [(LOG_DIR_PREFIX, tempfile.gettempdir()), (MP_DIR_PREFIX, multiprocessing_base_dir())]
+    for prefix, place in places:
+        for folder in Path(place).glob(f"{prefix}*-*"):
             pid = folder.name[len(prefix):].split("-")[0]
             if pid.isdigit() and not running(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)

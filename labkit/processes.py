@@ -172,6 +172,19 @@ def fork_server_context() -> Any:
 
 
 MP_DIR_PREFIX = "labkit-mp-"
+AF_UNIX_PATH_MAX = 107
+"""Bytes in a Unix socket's path: the fork server's socket lives in this folder, ``listener-`` + 8 more."""
+
+
+def multiprocessing_base_dir() -> str:
+    """The temp dir, or ``/tmp`` where a socket under the temp dir would pass :data:`AF_UNIX_PATH_MAX`.
+
+    A pytest ``tmp_path`` as TMPDIR (66 characters here) made ``bind`` fail with
+    "AF_UNIX path too long"; Python 3.13's multiprocessing falls back to /tmp the same way.
+    """
+    base = tempfile.gettempdir()
+    longest = len(base) + len(f"/{MP_DIR_PREFIX}{2**22}-12345678/listener-12345678")
+    return base if longest <= AF_UNIX_PATH_MAX else "/tmp"
 
 
 def own_multiprocessing_folder() -> Path:
@@ -186,7 +199,7 @@ def own_multiprocessing_folder() -> Path:
     """
     config = multiprocessing.process.current_process()._config  # where multiprocessing.util.get_temp_dir looks
     if config.get("tempdir") is None:
-        folder = tempfile.mkdtemp(prefix=f"{MP_DIR_PREFIX}{os.getpid()}-")
+        folder = tempfile.mkdtemp(prefix=f"{MP_DIR_PREFIX}{os.getpid()}-", dir=multiprocessing_base_dir())
         multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
         config["tempdir"] = folder
     return Path(config["tempdir"])

@@ -166,3 +166,14 @@ def test_a_killed_launchers_fork_server_folder_is_named_for_it_and_swept(tmp_pat
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert folder in remove_stale_dirs()
     assert not folder.exists()
+
+
+def test_the_fork_server_folder_leaves_room_for_its_socket_under_a_long_temp_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    from labkit.processes import AF_UNIX_PATH_MAX, multiprocessing_base_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "x" * 80)
+    assert multiprocessing_base_dir() == "/tmp"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path.parent.parent))
+    assert len(multiprocessing_base_dir()) + 45 <= AF_UNIX_PATH_MAX

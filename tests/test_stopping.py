@@ -4,9 +4,11 @@ Every process a run starts inherits a tag in its environment; after the stop, no
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -156,3 +158,18 @@ def test_stopping_labkit_run_while_a_fabric_is_open_leaves_no_namespace(tmp_path
         run.kill()
         for pid in _tagged(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_finished_lab_that_launched_ranks_leaves_no_temp_folder(tmp_path, request):
+    # Its kernel is killed at shutdown (multiprocessing's resource tracker ignores SIGTERM), so its exit hooks
+    # never remove the fork server's folder; labkit run sweeps it once the kernel is gone.
+    temp = Path(tempfile.mkdtemp(prefix="stoptest-"))   # short: the fork server's socket path must fit 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
+    cell = "from labkit.launcher import launch\nfrom tests import rankfns\nprint(launch(rankfns.env_rank, 1, name='HOME'))"
+    code = f"import os; os.environ['TMPDIR'] = {str(temp)!r}; " + _one_cell_course(tmp_path, cell)
+    tag = uuid.uuid4().hex
+    run = _start(code, tmp_path, tag)
+    assert _stopped(run, tmp_path, timeout_s=120) == 0, _output(tmp_path)
+    assert not [p.name for p in temp.iterdir() if p.name.startswith(("labkit-", "pymp-"))]
+    assert not _tagged(tag)

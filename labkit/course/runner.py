@@ -211,9 +211,25 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
             os.environ.clear()
             os.environ.update(env_before)
             nbformat.write(nb, lab_dir / lab.notebook)  # a stopped run keeps the cells it ran
+            _sweep_after_kernel()
     seconds = time.perf_counter() - start
     return LabRun(lab, passed=not error, seconds=seconds, error=error,
                   figures=results.read(figures_path), images=_save_images(nb, lab_dir))
+
+
+def _sweep_after_kernel() -> None:
+    """Remove what the lab's kernel could not: its fork server's folder (:func:`labkit.launcher.remove_stale_dirs`).
+
+    A kernel that started a fork server or a spawned process also started
+    multiprocessing's resource tracker, which ignores SIGTERM. Asked to shut down,
+    the kernel signals its children and waits for them to go, so jupyter_client
+    kills it after 5 s, before its exit hooks run (seen with a one-cell notebook
+    that launched a rank: 5.5-5.8 s against 2.5 s, the hooks never ran). The
+    kernel is gone by now, so the sweep takes its folder.
+    """
+    from labkit.launcher import remove_stale_dirs
+
+    remove_stale_dirs()
 
 
 def _short_error(text: str, lines: int = 12) -> str:
