@@ -3,27 +3,31 @@
 #
 #   bash benchmarks/device_run.sh WHEELS OUT SECONDS LABS_A [LABS_B]
 #
-# WHEELS: a folder of wheels for what the machine lacks (installed with --no-deps into
-# /tmp/labkit-site/<folder name>, which a later call on the same warm machine still finds); OUT: where the executed
-# notebooks, reports and logs go; SECONDS: the whole budget, after which every lab still
-# running is stopped (its report and the cells it ran are kept); LABS_A and LABS_B: two
-# streams of lab numbers ("1 3 7 4", "5 6 8") run at the same time, each in order; "dsops"
-# builds DeepSpeed's ops, "terms" runs benchmarks/lab01_gpu_terms.py. The
-# device time is short (minutes), so the GPU labs and the rank labs (gloo ranks on CPU
-# cores in network namespaces) share it; the log says which ran beside which.
+# WHEELS: a folder of wheels for what the machine lacks. They go, with --no-deps, into
+#   /tmp/device-run-site/<folder name without dots>, where a later call on the same warm
+#   machine still finds them (Daft's 56 MB wheel needs a call of its own: 64 MiB a call).
+# OUT: where the executed notebooks (runs.tar.gz), reports, probe and logs go.
+# SECONDS: the whole budget; a lab still running then is stopped, and keeps the cells it ran.
+# LABS_A, LABS_B: two streams run side by side, each in order: lab numbers, "dsops" (build
+#   DeepSpeed's ops) or "terms" (benchmarks/lab01_gpu_terms.py). Device time is minutes, so
+#   the GPU labs and the rank labs (gloo ranks on CPU cores) share it; timings of labs that
+#   ran side by side are not a sequential course time.
+# Rehearse here first: PYTHON=.venv/bin/python LABKIT_PROFILE=ci bash benchmarks/device_run.sh none /tmp/out 250 "terms 3"
 set -uo pipefail
 wheels=$1 out=$2 budget=$3 labs_a=$4 labs_b=${5:-}
 cd "$(dirname "$0")/.."
 start=$SECONDS
-site=/tmp/labkit-site
+site=/tmp/device-run-site
 mkdir -p "$out" "$site"
-export PYTHONPATH="$PWD:$(ls -d $site/*/ 2>/dev/null | tr '\n' ':')$site/$(basename "$wheels" | tr -d .)" PYTHONUNBUFFERED=1 MPLBACKEND=Agg DAFT_ANALYTICS_ENABLED=0
-export LABKIT_PROFILE=${LABKIT_PROFILE:-gpu} LABKIT_DATA="$PWD/data" TORCH_EXTENSIONS_DIR=/tmp/labkit-torch-extensions
+target="$site/$(basename "$wheels" | tr -d .)"
+export PYTHONPATH="$PWD:$(ls -d $site/*/ 2>/dev/null | tr '\n' ':')$target"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg DAFT_ANALYTICS_ENABLED=0
+export LABKIT_PROFILE=${LABKIT_PROFILE:-gpu} LABKIT_DATA="$PWD/data" TORCH_EXTENSIONS_DIR=/tmp/device-run-torch-extensions
 py=${PYTHON:-python3}
 
 if compgen -G "$wheels/*.whl" >/dev/null; then
   # one folder per wheel set: pip --target --upgrade replaced the whole folder of an earlier set
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site/$(basename "$wheels" | tr -d .)" "$wheels"/*.whl \
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$wheels"/*.whl \
     >"$out/install.log" 2>&1 || { echo "wheel install failed"; tail -20 "$out/install.log"; }
 fi
 
