@@ -50,7 +50,7 @@ class Sabotage:
 # launch; leaving out Lab 5's DeepSpeed rows saves 2.6 s a run, and Lab 4's byte counts need one step,
 # not six; Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
 # reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
-# again). The worker sweep keeps its three rounds even when sabotaged: with one, the two
+# again). The worker sweep keeps its five rounds even when sabotaged: with one, the two
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Each trim alone leaves its failing cell passing (checked with
