@@ -10,8 +10,10 @@ torch.distributed.checkpoint does.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from labkit import checkpoint, savers
-from labkit.devices import PeakRss
+from labkit.devices import PeakRss, time_ms
 from labkit.models import mlp, parameter_count
 from labkit.profiles import require_at_least
 
@@ -109,19 +111,11 @@ def plan_sizes(sizes: StallSizes, directory: str | Path, *, device: str | torch.
     """
     device = torch.device(device)
     model, optimizer = make_model(sizes.state_mb, device=device)
-    from labkit.devices import synchronize
-
-    times = []
-    for position in range(steps + 1):  # the first step warms up and is not timed
-        start = time.perf_counter()
-        _train_step(model, optimizer, position, device)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    step_s = sorted(times[1:])[len(times[1:]) // 2]
+    positions = itertools.count()
+    step_s = statistics.median(time_ms(lambda: _train_step(model, optimizer, next(positions), device),
+                                       device=device, warmup=1, repeats=steps)) / 1e3
     with savers.SyncSaver(directory, keep=1) as saver:
-        start = time.perf_counter()
-        saver.save(1, checkpoint.capture_training_state(model, optimizer, loader_position=1))
-        write_s = time.perf_counter() - start
+        write_s = saver.save(1, checkpoint.capture_training_state(model, optimizer, loader_position=1)).total_s
     return SavePlan(step_s=step_s, write_s=write_s, sizes=sizes_for(sizes, step_s=step_s, write_s=write_s))
 
 

@@ -161,19 +161,16 @@ def _execute_stoppably(client: _ProgressClient) -> str:
 
 
 def _forget_kernel(client: _ProgressClient) -> None:
-    """Remove what a killed kernel left: its ranks' log folders, its connection file, nbclient's exit hook.
+    """Remove what a killed kernel left: its connection file and nbclient's exit hook.
 
-    The log folders carry the dead kernel's pid, so the launcher's own sweep of
-    dead launchers' folders takes them (namespaces of a fabric it had open are
+    Its ranks' log folders and fork-server folder carry the dead kernel's pid, so
+    :func:`run_lab`'s sweep takes them (namespaces of a fabric it had open are
     its reaper's job, :func:`labkit.netns.start_reaper`). nbclient unregisters its
     exit hook only when its cleanup completes. After a stop it may not have, and
     the hook then runs at interpreter exit, where destroying the kernel's zmq
     context can block forever on sockets the abandoned thread still holds (seen
     in the test suite: ``labkit run`` never exited after SIGTERM).
     """
-    from labkit.launcher import remove_stale_dirs
-
-    remove_stale_dirs()
     atexit.unregister(client._cleanup_kernel)
     if client.km is not None:
         client.km.cleanup_connection_file()
@@ -211,25 +208,16 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
             os.environ.clear()
             os.environ.update(env_before)
             nbformat.write(nb, lab_dir / lab.notebook)  # a stopped run keeps the cells it ran
-            _sweep_after_kernel()
+            # The kernel is gone: sweep what it could not remove. One that started a fork server or a spawned
+            # process also started multiprocessing's resource tracker, which ignores SIGTERM, so asked to shut
+            # down it waited for that child and jupyter_client killed it after 5 s, before its exit hooks ran
+            # (a one-cell notebook that launched a rank: 5.5-5.8 s against 2.5 s, the hooks never ran).
+            from labkit.launcher import remove_stale_dirs
+
+            remove_stale_dirs()
     seconds = time.perf_counter() - start
     return LabRun(lab, passed=not error, seconds=seconds, error=error,
                   figures=results.read(figures_path), images=_save_images(nb, lab_dir))
-
-
-def _sweep_after_kernel() -> None:
-    """Remove what the lab's kernel could not: its fork server's folder (:func:`labkit.launcher.remove_stale_dirs`).
-
-    A kernel that started a fork server or a spawned process also started
-    multiprocessing's resource tracker, which ignores SIGTERM. Asked to shut down,
-    the kernel signals its children and waits for them to go, so jupyter_client
-    kills it after 5 s, before its exit hooks run (seen with a one-cell notebook
-    that launched a rank: 5.5-5.8 s against 2.5 s, the hooks never ran). The
-    kernel is gone by now, so the sweep takes its folder.
-    """
-    from labkit.launcher import remove_stale_dirs
-
-    remove_stale_dirs()
 
 
 def _short_error(text: str, lines: int = 12) -> str:
