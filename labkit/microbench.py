@@ -15,6 +15,7 @@ time, so the fastest run is the best estimate of what the hardware can do.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -103,6 +104,9 @@ def matmul_precision(dtype: str) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+ROOF_TILE = 256
+
+
 def best_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 1, repeats: int = 5) -> float:
     return min(time_ms(fn, device=device, warmup=warmup, repeats=repeats))
 
@@ -147,16 +151,18 @@ def measure_matmul_flops(device: torch.device | str, n: int, dtype: str = "float
     blocking; the roof is the best any of them reached.
     """
     roofline.matmul(n, n, n, dtype)
+    return max(square_matmul_flops(device, size, dtype, repeats=repeats) for size in sorted({max(1, n // 2), n}))
+
+
+def square_matmul_flops(device: torch.device | str, n: int, dtype: str = "float32", *, repeats: int = 5) -> float:
+    """Best FLOP/s of one ``n x n @ n x n`` matmul."""
     device = torch.device(device)
     tdtype = torch_dtype(dtype)
-    best = 0.0
-    for size in sorted({max(1, n // 2), n}):
-        a = torch.randn(size, size, device=device).to(tdtype)
-        b = torch.randn(size, size, device=device).to(tdtype)
-        with matmul_precision(roofline.dtype_name(dtype)):
-            ms = best_ms(lambda: a @ b, device, warmup=2, repeats=repeats)
-        best = max(best, roofline.matmul(size, size, size, dtype).flops / (ms / 1e3))
-    return best
+    a = torch.randn(n, n, device=device).to(tdtype)
+    b = torch.randn(n, n, device=device).to(tdtype)
+    with matmul_precision(roofline.dtype_name(dtype)):
+        ms = best_ms(lambda: a @ b, device, warmup=2, repeats=repeats)
+    return roofline.matmul(n, n, n, dtype).flops / (ms / 1e3)
 
 
 @dataclass(frozen=True)
@@ -342,8 +348,8 @@ class IntensitySweep:
                 and p.flops_per_s > p.cost.intensity * self.bandwidth_bytes_per_s * (1 + MEASUREMENT_TOLERANCE)]
 
 
-def intensity_sweep(device: torch.device | str, peaks: DevicePeaks, dtype: str | None = None,
-                    chosen: MicrobenchSizes | None = None) -> IntensitySweep:
+def intensity_sweep(device: torch.device | str, dtype: str | None = None,
+                    chosen: MicrobenchSizes | None = None, *, rounds: int = 3) -> IntensitySweep:
     """``x [M, K] @ w [K, K]`` for rising K, with ``M * K`` fixed.
 
     Every call moves about the same bytes (x in, the result out) while its FLOPs
@@ -352,21 +358,61 @@ def intensity_sweep(device: torch.device | str, peaks: DevicePeaks, dtype: str |
     points should climb with intensity and compute-bound ones flatten at the
     compute roof. A real kernel turns later than the roofline's corner: how
     much later is what this measures.
+
+    The two roofs are measured here, taking turns with the points round by round,
+    and each item keeps its best round. Roofs timed a minute earlier on a shared
+    machine can be ones no point of a busier minute reaches: a CI run found no
+    point at half a compute roof measured before the sweep. The compute roof is a
+    square matmul doing as many FLOPs as the widest point: beside a busy process,
+    the best of a few short matmuls lands in a quiet slice that long ones never
+    get (a 512 x 512 one reached 203 GFLOP/s beside a busy process on 2 cores, a
+    2048 x 2048 one 93, the widest point 86).
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     chosen = chosen or sizes()
     dtype = roofline.dtype_name(dtype or chosen.op_dtype)
-    tdtype = torch_dtype(dtype)
     device = torch.device(device)
-    points = []
-    with torch.inference_mode(), matmul_precision(dtype):
-        for width in tqdm(chosen.intensity_widths, desc="intensity sweep", leave=False):
-            rows = max(1, chosen.intensity_elements // width)
-            x = torch.randn(rows, width, device=device).to(tdtype)
-            w = torch.randn(width, width, device=device).to(tdtype)
-            out = torch.empty(rows, width, device=device, dtype=tdtype)
-            ms = best_ms(lambda: torch.matmul(x, w, out=out), device, repeats=chosen.repeats)
-            points.append(OpMeasurement(roofline.matmul(rows, width, width, dtype), ms))
-            del x, w, out
+    roof_n = square_size_for(_skinny_matmul_cost(chosen, max(chosen.intensity_widths), dtype).flops)
+    best_point_ms = [float("inf")] * len(chosen.intensity_widths)
+    compute_roof = bandwidth = 0.0
+    steps = tqdm(total=rounds * (len(chosen.intensity_widths) + 1), desc="intensity sweep", leave=False)
+    with steps:
+        for _ in range(rounds):
+            compute_roof = max(compute_roof, square_matmul_flops(device, roof_n, dtype, repeats=chosen.repeats))
+            bandwidth = max(bandwidth, measure_bandwidth(device, chosen.bandwidth_numel,
+                                                         repeats=chosen.repeats).peak_bytes_per_s)
+            steps.update()
+            for i, width in enumerate(chosen.intensity_widths):
+                best_point_ms[i] = min(best_point_ms[i], _time_skinny_matmul(device, chosen, width, dtype))
+                steps.update()
+    points = [OpMeasurement(_skinny_matmul_cost(chosen, width, dtype), ms)
+              for width, ms in zip(chosen.intensity_widths, best_point_ms)]
     # The compute roof is the best FLOP/s any measurement reached (as in measure_matmul_flops).
-    peak = max(peaks.matmul_flops_per_s[dtype], *(p.flops_per_s for p in points))
-    return IntensitySweep(points, peak, peaks.bandwidth_bytes_per_s)
+    peak = max(compute_roof, *(p.flops_per_s for p in points))
+    return IntensitySweep(points, peak, bandwidth)
+
+
+def square_size_for(flops: float) -> int:
+    """The smallest multiple of ``ROOF_TILE`` whose square matmul does at least ``flops``.
+
+    Sizes off the BLAS blocking run slower: a 1626 x 1626 matmul reached 141 GFLOP/s
+    here, 1536 and 1792 reached 191-199.
+    """
+    return ROOF_TILE * math.ceil((flops / 2) ** (1 / 3) / ROOF_TILE)
+
+
+def _skinny_matmul_cost(chosen: MicrobenchSizes, width: int, dtype: str) -> roofline.OpCost:
+    rows = max(1, chosen.intensity_elements // width)
+    return roofline.matmul(rows, width, width, dtype)
+
+
+def _time_skinny_matmul(device: torch.device, chosen: MicrobenchSizes, width: int, dtype: str) -> float:
+    """Best ms of ``x [M, width] @ w [width, width]`` with ``M * width`` = ``intensity_elements``."""
+    rows = max(1, chosen.intensity_elements // width)
+    tdtype = torch_dtype(dtype)
+    with torch.inference_mode(), matmul_precision(dtype):
+        x = torch.randn(rows, width, device=device).to(tdtype)
+        w = torch.randn(width, width, device=device).to(tdtype)
+        out = torch.empty(rows, width, device=device, dtype=tdtype)
+        return best_ms(lambda: torch.matmul(x, w, out=out), device, repeats=chosen.repeats)

@@ -75,13 +75,16 @@ def test_unsupported_dtype_and_bad_sizes_are_refused():
     assert roofline.dtype_name(torch.float16) == "float16"
 
 
-def test_the_intensity_sweep_moves_the_same_bytes_at_rising_flops(peaks):
-    sweep = microbench.intensity_sweep("cpu", peaks, "float32", TINY)
+def test_the_intensity_sweep_moves_the_same_bytes_at_rising_flops():
+    sweep = microbench.intensity_sweep("cpu", "float32", TINY, rounds=2)
     intensities = [p.cost.intensity for p in sweep.points]
     assert intensities == sorted(intensities) and len(intensities) == len(TINY.intensity_widths)
     moved = [p.cost.bytes_moved for p in sweep.points]
     assert max(moved) < 1.5 * min(moved), "M x K is fixed: about the same bytes each call"
     assert sweep.peak_flops_per_s >= max(p.flops_per_s for p in sweep.points)
+    assert sweep.bandwidth_bytes_per_s > 0
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        microbench.intensity_sweep("cpu", "float32", TINY, rounds=0)
 
 
 def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_flagged():
@@ -99,3 +102,9 @@ def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_
     assert microbench.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
     with pytest.raises(ValueError, match="share must be in"):
         sweep.crossover_intensity(0)
+
+
+def test_the_roof_matmul_does_at_least_the_widest_points_flops_on_a_blocking_multiple():
+    assert microbench.square_size_for(2 * 1024**3) == 1024
+    assert microbench.square_size_for(2 * 1025**3) == 1280
+    assert microbench.square_size_for(8.6e9) == 1792      # CI's widest point: 2 x 16384 x 512 x 512
