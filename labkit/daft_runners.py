@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import daft
 
@@ -170,25 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CatalogError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(asdict(result)), flush=True)
-    if args.runner == "native":
-        exit_without_finalizing(0)
+    print(json.dumps(asdict(result)))
     return 0
 
 
-def exit_without_finalizing(status: int) -> NoReturn:
-    """Leave at once, skipping the interpreter's finalization.
-
-    Daft's native threads can call into Python while the interpreter finalizes and
-    abort the process (``Fatal Python error: PyGILState_Release ... finalizing``,
-    exit -6) after the result is printed: 1 of 30 runs beside a busy process here,
-    and one CI run. A native runner has nothing left to clean up. The Ray runner
-    keeps the normal exit: Ray's exit hook stops the local cluster it started.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    if daft.get_or_infer_runner_type() == "native":
+        # Daft's native threads can abort a finalizing interpreter (1 of 30 runs beside a busy
+        # process here, and one CI run). The Ray runner keeps the normal exit: Ray's exit hook
+        # stops the local cluster it started.
+        processes.exit_without_finalizing(status)
+    raise SystemExit(status)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def kill_group(pid: int | None, grace_s: float = 2.0) -> None:
@@ -75,6 +75,20 @@ def running(pid: int) -> bool:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def exit_without_finalizing(status: int) -> NoReturn:
+    """Flush stdout and stderr and leave at once, skipping the interpreter's finalization.
+
+    For a child process whose work is done, committed and reported: native threads
+    (Daft's runtime, a process group's) can call into a finalizing interpreter or be
+    torn down joinable, and abort the process (``Fatal Python error: PyGILState_Release``;
+    ``terminate called without an active exception``) after it succeeded. Only for
+    processes with no exit hook left to run.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def die_with_parent() -> None:

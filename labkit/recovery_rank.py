@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from labkit import triage
+from labkit import processes, triage
 from labkit.fault_plan import Fault
 
 RUN_ID_VAR = "LABKIT_RUN_ID"
@@ -357,4 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A rank that returned has written every record and left its group. A rank restarted
+    # under torchrun then aborted while the interpreter finalized ("terminate called without
+    # an active exception", both ranks had logged "done"; 2 of 30 restarts beside a busy
+    # process here), and torchrun counts that exit as a failure. An exception still ends
+    # the rank the normal way, with its traceback.
+    processes.exit_without_finalizing(main())
