@@ -173,3 +173,12 @@ def test_a_finished_lab_that_launched_ranks_leaves_no_temp_folder(tmp_path, requ
     assert _stopped(run, tmp_path, timeout_s=120) == 0, _output(tmp_path)
     assert not [p.name for p in temp.iterdir() if p.name.startswith(("labkit-", "pymp-"))]
     assert not _tagged(tag)
+
+
+def test_exit_without_finalizing_keeps_what_was_printed_and_the_status_but_runs_no_exit_hook():
+    script = ("import atexit; from labkit.processes import exit_without_finalizing\n"
+              "atexit.register(print, 'exit hook ran')\n"
+              "print('result', end=''); print('warning', end='', file=__import__('sys').stderr)\n"
+              "exit_without_finalizing(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "result", "warning")
