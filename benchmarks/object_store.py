@@ -5,7 +5,8 @@
     threads / latency. Below it, the server (or the cores it shares with the clients) is the
     bottleneck, not the latency it emulates.
 (a) a torch DataLoader, ``--workers`` workers, fetching through ``HttpFetch`` and decoding with PIL;
-(b) Daft ``download()`` + ``decode_image()`` + resize over the same URLs.
+(b) Daft ``download()`` + ``decode_image()`` + resize over the same URLs
+(both through :func:`labkit.store_race.measure`, as Lab 2's race).
 
 Requests are counted from the server's log; server CPU is read from /proc. ``--first-byte-ms``
 is an EMULATED condition (the server waits before answering); everything printed is measured.
@@ -25,9 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
-import daft  # noqa: E402
-
-from labkit import dataengine, dataset, loaders, representations# noqa: E402
+from labkit import dataengine, dataset, store_race  # noqa: E402
 from labkit.devices import describe_machine, load_average  # noqa: E402
 from labkit.objectstore import HttpFetch, ObjectStore  # noqa: E402
 
@@ -93,18 +92,16 @@ def main() -> int:
         print(capacity(ds.root, paths, args.capacity_requests, args.client_threads, first_byte_ms))
 
     dataengine.use_native_runner()
+    runs = {}
     with ObjectStore(ds.root, first_byte_ms=args.first_byte_ms) as store:
-        urls = [store.url(path) for path in paths]
-        pil = loaders.fetched_loader(HttpFetch(urls), labels, batch_size=args.batch_size, image_px=args.image_px,
-                                     num_workers=args.workers, augment=False)
-        with Measured(store) as pil_run:
-            pil_images, _ = dataengine.drain(pil)
-        print(pil_run.line(f"(a) PIL DataLoader, {args.workers} workers", pil_images, "images"))
-        frame = daft.from_pydict({"path": urls, "label": labels})
-        with Measured(store) as daft_run:
-            daft_images, _ = dataengine.drain(representations.file_batches(frame, args.image_px, args.batch_size))
-        print(daft_run.line("(b) Daft download + decode + resize", daft_images, "images"))
-    ratio = (daft_images / daft_run.seconds) / (pil_images / pil_run.seconds)
+        for loader, label in zip(store_race.LOADERS, (f"(a) PIL DataLoader, {args.workers} workers",
+                                                      "(b) Daft download + decode + resize")):
+            with Measured(store) as measured:
+                runs[loader] = store_race.measure(store, loader, paths, labels, workers=args.workers,
+                                                  image_px=args.image_px, batch_size=args.batch_size)
+            print(measured.line(label, runs[loader].images, "images") + f", {runs[loader].connections} connections")
+    pil_images, daft_images = (runs[loader].images for loader in store_race.LOADERS)
+    ratio = runs["Daft pipeline"].images_per_s / runs["PIL DataLoader"].images_per_s
     met = ratio >= args.target and pil_images == daft_images == len(paths)
     print(f"Daft / PIL images/s: {ratio:.2f}x (target >= {args.target:g}x, both {len(paths)} images): "
           f"{'met' if met else 'NOT met'}")

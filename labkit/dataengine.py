@@ -48,6 +48,9 @@ class EngineSizes:
     (:mod:`labkit.objectstore`), since this box has no remote bucket.
     ``stage_images`` caps the images whose stage costs are measured: a per-image
     average needs a sample, and Lab 1's PIL path measures in one thread.
+    ``race_images`` and ``race_latency_ms`` size the race of the PIL DataLoader and the
+    Daft pipeline from the store (:mod:`labkit.store_race`); its first-byte latency,
+    as in ``benchmarks/object_store.py``, is another emulated condition.
     """
 
     num_images: int
@@ -59,6 +62,8 @@ class EngineSizes:
     latency_images: int
     runner_images: int
     stage_images: int
+    race_images: int = 512
+    race_latency_ms: float = 10.0
 
 
 SIZES = {
@@ -70,12 +75,12 @@ SIZES = {
     "gpu": EngineSizes(
         num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=4_096,
-        stage_images=2_048,
+        stage_images=2_048, race_images=4_096,
     ),
     "multi-gpu": EngineSizes(
         num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=8_192,
-        stage_images=2_048,
+        stage_images=2_048, race_images=4_096,
     ),
 }
 

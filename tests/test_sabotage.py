@@ -173,6 +173,20 @@ SABOTAGES = [
         representations.read_parquet_url = lambda url: daft.from_arrow(daft.read_parquet(url).to_arrow())
     """, fails_at="pushdown-02", says="projection pushdown",
              needs=("ea9b2598", "ec76baf4", "9134b9d0", "5c81458e")),
+    Sabotage("02_data_engine", "the engine fetches one object at a time from the store", """
+        import daft
+        from labkit import dataengine, objectstore, store_race
+        _batches = store_race._batches
+        def _one_at_a_time(loader, urls, labels, **sizes):
+            if loader != "Daft pipeline":
+                return _batches(loader, urls, labels, **sizes)
+            jpegs = [objectstore.HttpFetch([url])(0) for url in urls]   # a new connection each, one in flight
+            frame = daft.from_pydict({"jpeg": jpegs, "label": list(labels)})
+            return dataengine.torch_batches(
+                dataengine.decode_pipeline(frame, sizes["image_px"], bytes_column="jpeg"), sizes["batch_size"])
+        store_race._batches = _one_at_a_time
+    """, fails_at="race-02", says="the engine delivers more images/s than the loader",
+             needs=("ea9b2598", "ec76baf4", "9134b9d0")),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
         import torch
         from labkit import fusion
