@@ -174,7 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-
 if __name__ == "__main__":
     status = main()
     if daft.get_or_infer_runner_type() == "native":

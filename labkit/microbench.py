@@ -105,6 +105,7 @@ def matmul_precision(dtype: str) -> Iterator[None]:
 
 
 ROOF_TILE = 256
+"""Square roof matmuls are sized in multiples of this (see :func:`square_size_for`)."""
 
 
 def best_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 1, repeats: int = 5) -> float:
@@ -365,8 +366,8 @@ def intensity_sweep(device: torch.device | str, dtype: str | None = None,
     point at half a compute roof measured before the sweep. The compute roof is a
     square matmul doing as many FLOPs as the widest point: beside a busy process,
     the best of a few short matmuls lands in a quiet slice that long ones never
-    get (a 512 x 512 one reached 203 GFLOP/s beside a busy process on 2 cores, a
-    2048 x 2048 one 93, the widest point 86).
+    get (beside a busy process on 2 cores, 512 x 512 matmuls reached 184-202
+    GFLOP/s, 2048 x 2048 ones 90-93, the widest point 86-94).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

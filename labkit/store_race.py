@@ -107,8 +107,9 @@ def race(root: str | Path, paths: Sequence[str], labels: Sequence[int], *, laten
     Each (loader, latency) keeps its fastest round: the first pass of a process pays
     start-up (Daft's runtime, the workers' imports) that a training epoch does not.
     """
-    dataengine.check_positive(workers=workers, image_px=image_px, batch_size=batch_size, rounds=rounds,
-                              images=len(paths))
+    dataengine.check_positive(workers=workers, image_px=image_px, batch_size=batch_size, rounds=rounds)
+    if not paths:
+        raise ValueError("paths must name at least one object in the store, got none")
     if not latency_ms > 0:
         raise ValueError(f"latency_ms must be > 0 (the race compares it with no latency), got {latency_ms}")
     if len(labels) != len(paths):

@@ -69,6 +69,13 @@ TRIM_LAB1_ONE_DRAFT_ROUND = """
     _draft_comparison = ladder.Ladder.draft_comparison
     ladder.Ladder.draft_comparison = lambda self, rounds=3: _draft_comparison(self, rounds=1)
 """
+TRIM_LAB2_SHORT_RACE = """
+    import dataclasses
+    from labkit import dataengine, store_race
+    dataengine.SIZES = {name: dataclasses.replace(size, race_images=256) for name, size in dataengine.SIZES.items()}
+    _race = store_race.race
+    store_race.race = lambda *args, **kwargs: _race(*args, **{**kwargs, "rounds": 1})
+"""
 TRIM_LAB4_NO_NVME = """
     import dataclasses
     from labkit import nvme_offload, zero_probe
@@ -186,7 +193,7 @@ SABOTAGES = [
                 dataengine.decode_pipeline(frame, sizes["image_px"], bytes_column="jpeg"), sizes["batch_size"])
         store_race._batches = _one_at_a_time
     """, fails_at="race-02", says="the engine delivers more images/s than the loader",
-             needs=("ea9b2598", "ec76baf4", "9134b9d0")),
+             needs=("ea9b2598", "ec76baf4", "9134b9d0"), trim=TRIM_LAB2_SHORT_RACE),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
         import torch
         from labkit import fusion

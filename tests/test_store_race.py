@@ -32,5 +32,7 @@ def test_bad_input_names_the_argument(images):
         store_race.race(root, paths, labels, latency_ms=5, workers=0, image_px=8, batch_size=8)
     with pytest.raises(ValueError, match="labels must have one entry per path: 23 labels for 24 paths"):
         store_race.race(root, paths, labels[:-1], latency_ms=5, workers=1, image_px=8, batch_size=8)
+    with pytest.raises(ValueError, match="paths must name at least one object"):
+        store_race.race(root, [], [], latency_ms=5, workers=1, image_px=8, batch_size=8)
     with pytest.raises(ValueError, match="loader must be one of"):
         store_race.measure(None, "Ray Data", paths, labels, workers=1, image_px=8, batch_size=8)
