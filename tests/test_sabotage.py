@@ -187,7 +187,7 @@ SABOTAGES = [
         def _one_at_a_time(loader, urls, labels, **sizes):
             if loader != "Daft pipeline":
                 return _batches(loader, urls, labels, **sizes)
-            jpegs = [objectstore.HttpFetch([url])(0) for url in urls]   # a new connection each, one in flight
+            jpegs = [objectstore.HttpFetch([url])(0) for url in urls]   # one GET in flight at a time
             frame = daft.from_pydict({"jpeg": jpegs, "label": list(labels)})
             return dataengine.torch_batches(
                 dataengine.decode_pipeline(frame, sizes["image_px"], bytes_column="jpeg"), sizes["batch_size"])
