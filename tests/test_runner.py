@@ -1,5 +1,7 @@
 """`labkit run`: lab selection, a report that shows failures, clear errors."""
 
+import json
+
 import pytest
 
 from labkit.course import cli, results
@@ -18,13 +20,32 @@ def test_unknown_lab_lists_the_valid_ones():
 
 
 def test_report_shows_the_failing_lab_with_its_error(tmp_path):
-    figure = results.Figure(1, "transformed cache / in RAM", 0.93, "x", reported="~85% utilisation from RAM")
+    figure = results.Figure(1, "busy fraction, slice in RAM", 0.93, "", reported="about 0.85 (A100s, RAM slice)")
     runs = [LabRun(LABS[0], True, 12.0, figures=[figure]), LabRun(LABS[1], False, 3.0, error="AssertionError: boom")]
     md, html = write_report(runs, tmp_path)
     text = md.read_text()
-    assert "| 1 input_pipeline | passed |" in text and "0.93 x" in text and "~85% utilisation" in text
+    assert "| 1 input_pipeline | passed |" in text and "0.93" in text and "about 0.85 (A100s" in text
     assert "**FAILED**" in text and "AssertionError: boom" in text and "1 of 2 labs passed" in text
     assert "AssertionError: boom" in html.read_text()
+
+
+def test_report_keeps_measured_modelled_and_chosen_figures_apart_and_context_out_of_the_comparison(tmp_path):
+    figures = [results.Figure(8, "goodput, toy run", 0.02, "", "measured"),
+               results.Figure(8, "goodput at Llama 3's failure rate", 0.99, "", "modelled",
+                              basis="Young/Daly from this run's restart cost", reported="over 0.90 (Llama 3)"),
+               results.Figure(8, "link rate", 0.1, "Gbit/s", "setting", basis="a slow link between zones"),
+               results.Figure(8, "speedup", 2.0, "x", context="Khanna: jobs kept inside one zone")]
+    md, html = write_report([LabRun(LABS[7], True, 40.0, figures=figures)], tmp_path)
+    row = next(line for line in md.read_text().splitlines() if line.startswith("| 8 "))
+    measured, modelled, setting, reported = (cell.strip() for cell in row.split("|")[4:8])
+    assert "goodput, toy run" in measured and "Llama" not in measured and "link rate" not in measured
+    assert modelled.startswith("goodput at Llama 3's failure rate: 0.99") and setting == "link rate: 0.1 Gbit/s"
+    assert reported == "goodput at Llama 3's failure rate: over 0.90 (Llama 3)"
+    text = md.read_text()
+    assert "Khanna: jobs kept inside one zone" in text.split(row)[1], "context is a footnote, below the table"
+    assert "Young/Daly from this run's restart cost" in text and "Khanna" in html.read_text()
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [f["kind"] for f in data["labs"][0]["figures"]] == ["measured", "modelled", "setting", "measured"]
 
 
 def test_unwritable_out_dir_is_named(tmp_path):
@@ -46,10 +67,40 @@ def test_record_writes_only_when_collected(tmp_path, monkeypatch):
     assert results.record(2, "x", 1.0).value == 1.0
     target = tmp_path / "f.jsonl"
     monkeypatch.setenv(results.ENV_VAR, str(target))
-    results.record(2, "speedup", 1.5, "x", reported="2-7x (Eventual)")
-    assert results.read(target) == [results.Figure(2, "speedup", 1.5, "x", "2-7x (Eventual)")]
-    with pytest.raises(ValueError, match="lab must be in 1..8"):
-        results.record(9, "x", 1.0)
+    results.record(2, "speedup", 1.5, "x", reported="1.4x (Eventual)")
+    results.record(2, "stand-in rate", 3.0, "x", kind="setting", basis="3x the decode rate")
+    assert results.read(target) == [results.Figure(2, "speedup", 1.5, "x", reported="1.4x (Eventual)"),
+                                    results.Figure(2, "stand-in rate", 3.0, "x", "setting", "3x the decode rate")]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lab=9), "lab must be in 1..8"),
+    (dict(value=float("nan")), "must be finite"),
+    (dict(kind="guessed"), "kind must be one of"),
+    (dict(kind="modelled"), "needs basis=: the model and the measured inputs"),
+    (dict(kind="setting"), "needs basis=: why the lab chose"),
+    (dict(kind="setting", basis="chosen", reported="2x"), "setting the lab chose; a speaker's figure"),
+])
+def test_record_refuses_what_could_mislead_the_report(kwargs, message):
+    args = dict(lab=2, name="x", value=1.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        results.record(args.pop("lab"), args.pop("name"), args.pop("value"), **args)
+
+
+def test_a_bad_profile_stops_labkit_run_before_any_lab(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_PROFILE", "bogus")
+    assert cli.main(["run", "3", "--out", str(tmp_path)]) == 2
+    assert "profile must be one of ('ci', 'gpu', 'multi-gpu'), got 'bogus'" in capsys.readouterr().err
+    assert not (tmp_path / "03_memory_movement").exists()
+
+
+def test_kernels_start_on_unix_sockets_not_tcp(tmp_path):
+    import nbformat
+
+    from labkit.course.runner import _ProgressClient
+
+    client = _ProgressClient(nbformat.v4.new_notebook(), bar=None, kernel_name="python3")
+    assert client.create_kernel_manager().transport == "ipc"
 
 
 def test_out_dir_is_made_absolute_because_kernels_run_in_notebooks(tmp_path, monkeypatch):

@@ -46,11 +46,17 @@ def read_report(path: str | Path) -> LearnerReport:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a labkit report (expected format {FORMAT!r}); pass the report.json "
                          "that `labkit run` wrote")
-    figures = {f"Lab {lab['number']}: {f['name']}" + (f" ({f['unit']})" if f["unit"] else ""): f["value"]
-               for lab in data["labs"] for f in lab["figures"]}
+    figures = {_column(lab["number"], f): f["value"] for lab in data["labs"] for f in lab["figures"]}
     machine = ", ".join(f"{k} {v}" for k, v in data["machine"].items() if k != "load_avg")
     return LearnerReport(data["learner"], machine, sum(lab["passed"] for lab in data["labs"]),
                          len(data["labs"]), figures)
+
+
+def _column(lab: int, figure: dict) -> str:
+    """A figure's column name; modelled figures and settings say so, so no one reads them as measured."""
+    kind = figure.get("kind", "measured")
+    unit = f" ({figure['unit']})" if figure["unit"] else ""
+    return f"Lab {lab}: {figure['name']}{unit}" + ("" if kind == "measured" else f" [{kind}]")
 
 
 def merge(paths: list[str | Path]) -> list[LearnerReport]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -10,7 +12,7 @@ import torch
 
 from labkit import dsops
 from labkit.paths import data_dir
-from labkit.profiles import detect_profile_name
+from labkit.profiles import ENV_VAR, PROFILE_NAMES, detect_profile_name, profile
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class Check:
 
 
 def checks() -> list[Check]:
-    found = [Check("profile", True, f"auto-detected {detect_profile_name()!r} (override with LABKIT_PROFILE)")]
+    found = [_profile_check()]
     found.append(Check("torch", True, f"{torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU build")))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -40,6 +42,7 @@ def checks() -> list[Check]:
     found.append(Check("c++ compiler", bool(compiler), compiler or "missing",
                        "install gcc/g++ (DeepSpeed compiles its ops on first use)"))
     if importlib.util.find_spec("deepspeed"):
+        found.append(Check("deepspeed accelerator", True, _deepspeed_accelerator()))
         for op in (dsops.COMM_OP, dsops.CPU_ADAM_OP):
             built = dsops.op_is_built(op)
             found.append(Check(f"deepspeed op {op}", built, "built" if built else "not built yet",
@@ -54,6 +57,35 @@ def checks() -> list[Check]:
     found.append(Check("disk for data/", free_gib > 5, f"{free_gib:.0f} GiB free in {data_dir()}",
                        "free at least 5 GiB or set LABKIT_DATA elsewhere"))
     return found
+
+
+def _profile_check() -> Check:
+    """The profile every lab will use; a bad ``LABKIT_PROFILE`` is reported here, with the fix."""
+    chosen = os.environ.get(ENV_VAR)
+    try:
+        active = profile()
+    except (ValueError, RuntimeError) as exc:
+        return Check("profile", False, f"{ENV_VAR}={chosen!r} cannot be used: {exc}",
+                     f"unset {ENV_VAR} (this machine auto-detects {detect_profile_name()!r}) "
+                     f"or set it to one of {', '.join(PROFILE_NAMES)}")
+    if chosen:
+        return Check("profile", True, f"{active.name!r} from {ENV_VAR} (auto-detection would pick "
+                                      f"{detect_profile_name()!r})")
+    return Check("profile", True, f"auto-detected {active.name!r} (override with {ENV_VAR})")
+
+
+def _deepspeed_accelerator() -> str:
+    """The device DeepSpeed will use, said once here instead of by DeepSpeed's own start-up warning.
+
+    DeepSpeed resets its logger's level when it is imported, so a filter (which
+    survives that) drops the one warning.
+    """
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: not record.getMessage().startswith("Setting accelerator to"))
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return name + (" (DeepSpeed found no GPU, so its ops build and run for the CPU)" if name == "cpu" else "")
 
 
 def _package(name: str, fix: str, *, optional: bool = False) -> Check:

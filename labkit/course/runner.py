@@ -35,6 +35,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from tqdm.auto import tqdm
 
+from labkit import profiles
 from labkit.course import classroom, results
 from labkit.course import Lab, notebooks_dir
 from labkit.devices import describe_machine
@@ -110,6 +111,13 @@ class _ProgressClient(NotebookClient):
         super().__init__(nb, **kwargs)
         self.bar = bar
         self.cell_index: int | None = None
+
+    def create_kernel_manager(self):
+        """A kernel on Unix sockets where the platform has them: no TCP port any local user could reach."""
+        km = super().create_kernel_manager()
+        if os.name == "posix":
+            km.transport = "ipc"
+        return km
 
     async def async_start_new_kernel_client(self):
         kc = await super().async_start_new_kernel_client()
@@ -240,6 +248,10 @@ def _save_images(nb, lab_dir: Path) -> list[Path]:
 def run_labs(labs: list[Lab], out: Path, *, profile: str | None = None, learner: str | None = None) -> list[LabRun]:
     """Run ``labs`` in order; on SIGTERM or SIGINT stop, report what finished, raise :class:`RunStopped`."""
     out = check_out_dir(out)
+    try:
+        profiles.profile(profile)  # a bad LABKIT_PROFILE stops here, named, instead of failing every lab
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc
     runs: list[LabRun] = []
     try:
         with stopped_by_signals():
@@ -268,20 +280,26 @@ def _raise_stop(signum: int, _frame: object) -> None:
 
 
 def write_report(runs: list[LabRun], out: Path, *, learner: str | None = None) -> tuple[Path, Path]:
-    """report.md and report.html for a reader; report.json for a teacher's ``labkit merge``."""
+    """report.md and report.html for a reader; report.json for a teacher's ``labkit merge``.
+
+    Measured, modelled and chosen figures sit in columns of their own, and a
+    speaker's figure stands beside ours only when :func:`results.record` was told
+    it is the same quantity; other speaker figures are footnotes (context).
+    """
     machine = describe_machine()
     labs = [{"number": run.lab.number, "slug": run.lab.slug, "passed": run.passed, "seconds": round(run.seconds, 1),
-             "figures": [{"name": f.name, "value": f.value, "unit": f.unit} for f in run.figures]} for run in runs]
+             "figures": [{"name": f.name, "value": f.value, "unit": f.unit, "kind": f.kind} for f in run.figures]}
+            for run in runs]
     (out / "report.json").write_text(classroom.report_json(learner or socket.gethostname(), machine, labs))
     lines = ["# labkit course report", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), "",
-             "| lab | result | time | key measured figures (this machine) | reported by the speaker (their workload) |",
-             "| --- | --- | --- | --- | --- |"]
+             "| lab | result | time | " + " | ".join(title for _, title in COLUMNS) + " |",
+             "| --- | --- | --- |" + " --- |" * len(COLUMNS)]
     for run in runs:
-        measured = "; ".join(f"{f.name}: {f.value:.3g} {f.unit}".strip() for f in run.figures) or "-"
-        reported = "; ".join(f.reported for f in run.figures if f.reported) or "-"
+        cells = [_joined(run, column, "; ") for column, _ in COLUMNS]
         status = "passed" if run.passed else "**FAILED**"
-        lines.append(f"| {run.lab.number} {run.lab.slug} | {status} | {run.seconds:.0f} s | {measured} | {reported} |")
+        lines.append(f"| {run.lab.number} {run.lab.slug} | {status} | {run.seconds:.0f} s | " + " | ".join(cells) + " |")
+    lines += _notes(runs)
     failures = [run for run in runs if not run.passed]
     for run in failures:
         lines += ["", f"## Lab {run.lab.number} failed", "", "```", run.error, "```"]
@@ -293,19 +311,48 @@ def write_report(runs: list[LabRun], out: Path, *, learner: str | None = None) -
     return md_path, html_path
 
 
+COLUMNS = (("measured", "measured here"),
+           ("modelled", "modelled here, from measured inputs"),
+           ("setting", "set by the lab"),
+           ("reported", "the speaker's figure of the same quantity"))
+
+
+def _joined(run: LabRun, column: str, sep: str) -> str:
+    if column == "reported":
+        texts = [f"{f.name}: {f.reported}" for f in run.figures if f.reported]
+    else:
+        texts = [f.as_text() for f in run.figures if f.kind == column]
+    return sep.join(texts) or "-"
+
+
+def _notes(runs: list[LabRun]) -> list[str]:
+    """How each modelled or chosen figure came about, and speakers' figures of other quantities."""
+    basis = [f"- Lab {f.lab}, {f.name} ({f.kind}): {f.basis}" for run in runs for f in run.figures if f.basis]
+    context = [f"- Lab {f.lab}: {f.context}" for run in runs for f in run.figures if f.context]
+    lines = []
+    if basis:
+        lines += ["", "How the modelled and chosen figures came about:", "", *basis]
+    if context:
+        lines += ["", "For context, what the speakers reported for *other* quantities (not comparable with a "
+                  "figure above):", "", *context]
+    return lines
+
+
 def _html(runs: list[LabRun], machine: dict) -> str:
     rows = []
     for run in runs:
-        figures = "<br>".join(html.escape(f"{f.name}: {f.value:.3g} {f.unit}") for f in run.figures) or "-"
-        reported = "<br>".join(html.escape(f.reported) for f in run.figures if f.reported) or "-"
+        cells = "".join(f"<td>{html.escape(_joined(run, column, chr(10))).replace(chr(10), '<br>')}</td>"
+                        for column, _ in COLUMNS)
         status = "passed" if run.passed else f"<b>FAILED</b><pre>{html.escape(run.error)}</pre>"
         thumbs = "".join(f'<img src="{p.parent.name}/{p.name}" width="260">' for p in run.images[:3])
         rows.append(f"<tr><td>{run.lab.number} {run.lab.slug}</td><td>{status}</td><td>{run.seconds:.0f} s</td>"
-                    f"<td>{figures}</td><td>{reported}</td><td>{thumbs}</td></tr>")
+                    f"{cells}<td>{thumbs}</td></tr>")
     head = html.escape(", ".join(f"{k} {v}" for k, v in machine.items()))
+    notes = "".join(f"<p>{html.escape(line)}</p>" for line in _notes(runs) if line)
+    titles = "".join(f"<th>{html.escape(title)}</th>" for _, title in COLUMNS)
     return ("<!doctype html><meta charset='utf-8'><title>labkit report</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:4px;"
             "vertical-align:top}table{border-collapse:collapse}</style>"
             f"<h1>labkit course report</h1><p>Machine: {head}</p><table><tr><th>lab</th><th>result</th>"
-            "<th>time</th><th>measured here</th><th>reported by the speaker</th><th>figures</th></tr>"
-            + "".join(rows) + f"</table><p>{sum(r.passed for r in runs)} of {len(runs)} labs passed.</p>")
+            f"<th>time</th>{titles}<th>figures</th></tr>"
+            + "".join(rows) + f"</table>{notes}<p>{sum(r.passed for r in runs)} of {len(runs)} labs passed.</p>")
