@@ -198,7 +198,8 @@ class Ladder:
         The workers start together, so their first batches arrive together one
         batch-time later; the meter leaves those out and times the steady state.
         """
-        workers, count = remote_plan(self.sizes)
+        workers, count = remote_plan(workers=self.sizes.workers, batch_size=self.sizes.batch_size,
+                                     remote_images=self.sizes.remote_images)
         with self.accelerator.host_side(), self._store() as store:
             fetch = objectstore.HttpFetch([store.url(path) for path in self.paths[:count]])
             self.remote_model = probe_remote(fetch, workers=workers, image_px=self.sizes.image_px,

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from labkit import loaders, objectstore
-
-if TYPE_CHECKING:
-    from labkit.ladder import LadderSizes
 
 
 PROBE_IMAGES = 32
@@ -62,17 +58,20 @@ class RemoteModel:
                 f"{self.latency_share:.0%} of each worker's time per image")
 
 
-def remote_plan(sizes: "LadderSizes") -> tuple[int, int]:
+def remote_plan(*, workers: int, batch_size: int, remote_images: int) -> tuple[int, int]:
     """``(workers, images)`` for the remote rung: exactly two batches per worker.
 
     The DataLoader hands batch i to worker i % workers, and a worker reaches its
     steady rate only on its second batch (see :meth:`labkit.ladder.Ladder.remote`).
     So the rung reads two full batches per worker and no more: a third batch for
-    some workers only would leave the others idle at the end. ``sizes.workers``,
-    capped so that the two batches each fit in ``sizes.remote_images``.
+    some workers only would leave the others idle at the end. ``workers``, capped
+    so that the two batches each fit in ``remote_images``. (Plain numbers, not
+    Lab 1's sizes: this module sits below :mod:`labkit.ladder`, which imports it.)
     """
-    workers = max(1, min(sizes.workers, sizes.remote_images // (2 * sizes.batch_size)))
-    return workers, min(sizes.remote_images, 2 * workers * sizes.batch_size)
+    if batch_size < 1 or remote_images < 1:
+        raise ValueError(f"batch_size and remote_images must be >= 1, got {batch_size} and {remote_images}")
+    workers = max(1, min(workers, remote_images // (2 * batch_size)))
+    return workers, min(remote_images, 2 * workers * batch_size)
 
 
 def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, latency_ms: float,

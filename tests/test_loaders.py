@@ -226,15 +226,15 @@ def test_the_remote_model_is_littles_law():
 
 
 def test_the_remote_rung_reads_two_batches_per_worker():
-    sizes = lambda workers, images: ladder.LadderSizes(
-        num_images=1000, image_px=32, batch_size=100, workers=workers, accelerator_images_per_s=1,
-        remote_latency_ms=0, remote_images=images, fast_epochs=1)
-    assert remote_plan(sizes(2, 400)) == (2, 400)
-    assert remote_plan(sizes(8, 400)) == (2, 400)
-    assert remote_plan(sizes(8, 750)) == (3, 600), "no worker gets a third batch while others idle"
-    assert remote_plan(sizes(16, 8000)) == (16, 3200)
-    assert remote_plan(sizes(8, 150)) == (1, 150)
-    assert remote_plan(sizes(0, 1000)) == (1, 200)
+    sizes = lambda workers, images: dict(workers=workers, batch_size=100, remote_images=images)
+    assert remote_plan(**sizes(2, 400)) == (2, 400)
+    assert remote_plan(**sizes(8, 400)) == (2, 400)
+    assert remote_plan(**sizes(8, 750)) == (3, 600), "no worker gets a third batch while others idle"
+    assert remote_plan(**sizes(16, 8000)) == (16, 3200)
+    assert remote_plan(**sizes(8, 150)) == (1, 150)
+    assert remote_plan(**sizes(0, 1000)) == (1, 200)
+    with pytest.raises(ValueError, match="batch_size and remote_images must be >= 1"):
+        remote_plan(workers=2, batch_size=0, remote_images=100)
 
 
 def test_probe_remote_times_a_get_and_a_decode(small_dataset):
