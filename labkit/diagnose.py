@@ -1,0 +1,219 @@
+"""Profile a training loop, unmodified, and split its steps into the course's bottlenecks.
+
+The course teaches that each bottleneck needs a different experiment; this asks
+the question of *your* job. :class:`Diagnosis` wraps a training loop (or, run as
+``python -m labkit.diagnose SCRIPT.py ARGS`` under ``torchrun``, a whole script)
+and profiles it with ``torch.profiler``. Nothing in the script changes: steps
+are delimited by a global optimizer-step hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``), and ``torch.save``
+and DCP's ``save``/``async_save`` are wrapped in named spans so that checkpoint
+time shows in the trace (nothing else labels it).
+
+The first ``baseline_steps`` steps run unprofiled and are timed from the hook
+alone, so the profiler's own cost is measured, not assumed: ``overhead`` is the
+profiled step time over the unprofiled one. Then ``warmup`` steps let the
+profiler settle and ``steps`` are recorded. In script mode the script is stopped
+right after (an exception raised from the hook, which the script does not
+catch, since it is a ``BaseException``), every rank at the same step, so no rank
+is left waiting in a collective.
+
+:mod:`labkit.step_attribution` does the splitting; :mod:`labkit.diagnosis_report`
+launches ranks, merges them and writes the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import runpy
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from labkit import step_attribution
+
+
+class EnoughSteps(BaseException):
+    """Raised from the optimizer hook once the profiled steps are recorded: ends the script, not the run."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """What the optimizer's tensors hold on this rank, read at the last profiled step."""
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    world_size: int
+    shares: dict[str, float]
+    step_ms: float
+    unprofiled_step_ms: float
+    memory_bound_share_of_compute: float
+    state_bytes: StateBytes
+    trace: str
+
+    @property
+    def overhead(self) -> float:
+        return self.step_ms / self.unprofiled_step_ms
+
+
+def _rank() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> StateBytes:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return StateBytes(size(params), size(p.grad for p in params if p.grad is not None), size(state))
+
+
+class Diagnosis:
+    """Profile ``steps`` optimizer steps of whatever trains inside the ``with`` block.
+
+    ``stop_script=True`` (script mode) raises :class:`EnoughSteps` once they are
+    recorded; otherwise later steps simply run unprofiled. ``result`` is filled
+    when the profiled steps end.
+    """
+
+    def __init__(self, out: str | Path, *, steps: int = 10, warmup: int = 2, baseline_steps: int = 5,
+                 ridge_flop_per_byte: float = float("inf"), stop_script: bool = False):
+        for name, value, low in (("steps", steps, 1), ("warmup", warmup, 1), ("baseline_steps", baseline_steps, 2)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self.out = Path(out)
+        self.steps, self.warmup, self.baseline_steps = steps, warmup, baseline_steps
+        self.ridge = ridge_flop_per_byte
+        self.stop_script = stop_script
+        self.result: RankResult | None = None
+        self._marks: list[float] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Diagnosis:
+        self.out.mkdir(parents=True, exist_ok=True)
+        # The first step closes when the first optimizer step ends; "wait" covers the unprofiled timing steps.
+        self._profiler = profile(activities=_activities(), record_shapes=True, with_flops=True,
+                                 schedule=schedule(wait=self.baseline_steps, warmup=self.warmup,
+                                                   active=self.steps, repeat=1),
+                                 on_trace_ready=self._trace_ready)
+        self._stack.enter_context(_checkpoint_spans())
+        self._stack.callback(register_optimizer_step_post_hook(self._on_step).remove)
+        self._profiler.start()
+        self._stack.callback(self._stop_profiler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _stop_profiler(self) -> None:
+        with contextlib.suppress(Exception):  # already stopped when its steps ended
+            self._profiler.stop()
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self.result is not None:
+            return
+        self._optimizer = optimizer
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._marks.append(time.perf_counter())
+        self._profiler.step()
+        if self.result is not None and self.stop_script:
+            raise EnoughSteps
+
+    def _trace_ready(self, prof: torch.profiler.profile) -> None:
+        rank, world = _rank()
+        trace = self.out / f"trace-rank{rank}.json"
+        prof.export_chrome_trace(str(trace))
+        breakdown = step_attribution.attribute_rank(json.loads(trace.read_text()), rank,
+                                                    ridge_flop_per_byte=self.ridge)
+        gaps = [b - a for a, b in zip(self._marks, self._marks[1:])][: self.baseline_steps - 1]
+        self.result = RankResult(rank, world, breakdown.shares(), breakdown.step_ms,
+                                 1e3 * sorted(gaps)[len(gaps) // 2], breakdown.memory_bound_share_of_compute,
+                                 _state_bytes(self._optimizer), trace.name)
+        (self.out / f"rank{rank}.json").write_text(json.dumps(asdict(self.result), indent=1))
+
+
+def _activities() -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+@contextlib.contextmanager
+def _checkpoint_spans():
+    """``torch.save`` and DCP's saves inside a named span while profiling; the originals back afterwards."""
+    import torch.distributed.checkpoint as dcp
+
+    targets = [(torch, "save")] + [(dcp, name) for name in ("save", "async_save") if hasattr(dcp, name)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
+    for owner, name, original in originals:
+        setattr(owner, name, _in_span(original, f"{step_attribution.CHECKPOINT_SPAN} ({owner.__name__}.{name})"))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def _in_span(fn, label: str):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def ridge_of_this_machine() -> float:
+    """Lab 3's ridge, FLOP per byte, measured now with plain torch (a matmul and a copy, about a second)."""
+    from labkit.microbench import plain_copy_bytes_per_s, plain_matmul_flops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return plain_matmul_flops(device, 1024) / plain_copy_bytes_per_s(device, 32 * 2**20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank: ``python -m labkit.diagnose [--steps K] [--warmup W] --out DIR SCRIPT.py [ARGS...]``."""
+    parser = argparse.ArgumentParser(prog="python -m labkit.diagnose")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--baseline-steps", type=int, default=5)
+    parser.add_argument("--ridge", type=float, default=None, help="FLOP/byte; measured here when omitted")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    script = Path(args.script)
+    if not script.is_file():
+        parser.error(f"SCRIPT {script} is not a file; give the path of your training script")
+    ridge = args.ridge if args.ridge is not None else ridge_of_this_machine()
+    sys.argv = [str(script), *args.args]
+    sys.path.insert(0, str(script.resolve().parent))
+    diagnosis = Diagnosis(args.out, steps=args.steps, warmup=args.warmup, baseline_steps=args.baseline_steps,
+                          ridge_flop_per_byte=ridge, stop_script=True)
+    with contextlib.suppress(EnoughSteps), diagnosis:
+        runpy.run_path(str(script), run_name="__main__")
+    if diagnosis.result is None:
+        print(f"labkit.diagnose: {script} ended after {max(0, len(diagnosis._marks))} optimizer steps; it needs "
+              f"{args.baseline_steps + args.warmup + args.steps} (lower --steps/--warmup or train longer)",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    from labkit.processes import exit_without_finalizing
+
+    # The script was cut off mid-run: its process group, loader workers and threads are not shut down, and
+    # finalizing the interpreter could block on them. The trace and rank{N}.json are written by now.
+    exit_without_finalizing(main())

@@ -1,0 +1,146 @@
+"""`labkit diagnose`: a step split into the course's bottlenecks, each instant counted once; bad input named."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labkit import diagnosis_report, step_attribution as sa
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+
+
+def _x(name, ts, dur, tid=1, cat="cpu_op", **args):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat, "args": args}
+
+
+def test_intervals_are_merged_and_subtracted():
+    assert sa.union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert sa.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert sa.length(sa.clip([(0, 10), (20, 30)], (5, 25))) == 10
+
+
+def test_each_instant_of_a_cpu_step_is_counted_once_and_a_hidden_collective_is_not_communication():
+    events = [
+        _x("ProfilerStep#3", 0, 100, cat="user_annotation"),
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 40, cat="user_annotation"),
+        _x("aten::stack", 10, 20),                      # inside the loader: data, not compute
+        _x("aten::addmm", 40, 30, flops=1000),          # compute
+        _x("c10d::allreduce_", 70, 2),                  # the training thread calls the process group
+        _x("gloo:all_reduce", 65, 25, tid=2, cat="user_annotation"),  # 65-70 hidden by compute, 70-90 exposed
+        _x(sa.CHECKPOINT_SPAN + " (torch.save)", 90, 5, cat="user_annotation"),
+        _x("aten::copy_", 91, 3),                       # inside the save: checkpoint
+    ]
+    step = sa.attribute_rank({"traceEvents": events}, 0).steps[0]
+    assert step.step == 3 and step.step_ms == pytest.approx(0.1)
+    assert step.shares == pytest.approx({"data": 0.40, "host_to_device": 0.0, "compute": 0.30,
+                                         "communication": 0.20, "checkpoint": 0.05, "other": 0.05})
+
+
+def test_on_a_gpu_kernels_are_compute_copies_are_host_to_device_and_nccl_is_communication():
+    events = [
+        _x("ProfilerStep#0", 0, 100, cat="user_annotation"),
+        _x("aten::mm", 0, 100),                          # the host thread's op: not compute when kernels exist
+        _x("Memcpy HtoD (Pageable -> Device)", 0, 10, tid=7, cat="gpu_memcpy"),
+        _x("sm90_xmma_gemm_bf16", 10, 50, tid=7, cat="kernel"),
+        _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 40, tid=8, cat="kernel"),  # 60-80 exposed
+    ]
+    shares = sa.attribute_rank({"traceEvents": events}, 0).steps[0].shares
+    assert shares == pytest.approx({"data": 0.0, "host_to_device": 0.10, "compute": 0.50,
+                                    "communication": 0.20, "checkpoint": 0.0, "other": 0.20})
+
+
+def test_an_op_below_the_ridge_is_memory_bound_and_a_wrapper_without_flops_is_not_counted_over_its_matmul():
+    shapes = {"Input Dims": [[1024, 1024], [1024, 1024]], "Input type": ["float", "float"]}
+    matmul = _x("aten::mm", 10, 50, flops=2 * 1024**3, **shapes)   # 2 GFLOP over 8 MiB: 256 FLOP/byte
+    assert not sa.memory_bound(matmul, ridge_flop_per_byte=100) and sa.memory_bound(matmul, ridge_flop_per_byte=300)
+    events = [_x("ProfilerStep#1", 0, 100, cat="user_annotation"), _x("aten::linear", 0, 60), matmul,
+              _x("aten::relu", 60, 20)]
+    rank = sa.attribute_rank({"traceEvents": events}, 0, ridge_flop_per_byte=100)
+    assert rank.memory_bound_share_of_compute == pytest.approx(30 / 80)   # linear's own 10 + relu's 20
+
+
+def test_a_trace_without_steps_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="ProfilerStep spans on one thread, found them on 0"):
+        sa.attribute_rank({"traceEvents": [_x("aten::mm", 0, 1)]}, 0)
+
+
+def test_the_verdict_names_the_largest_share_and_the_lab_that_treats_it():
+    shares = dict.fromkeys(sa.CATEGORIES, 0.1) | {"communication": 0.5}
+    found = diagnosis_report.verdict(shares)
+    assert (found.bottleneck, found.share) == ("communication", 0.5) and found.lab.startswith("Lab 5")
+    with pytest.raises(ValueError, match="missing"):
+        diagnosis_report.verdict({"data": 1.0})
+
+
+def test_summary_weights_ranks_by_step_time_and_finds_the_straggler():
+    def rank(r, ms, data):
+        return {"rank": r, "step_ms": ms, "unprofiled_step_ms": ms, "memory_bound_share_of_compute": 0.5,
+                "shares": dict.fromkeys(sa.CATEGORIES, 0.0) | {"data": data, "compute": 1 - data}}
+    summary = diagnosis_report.summarise([rank(0, 10.0, 0.2), rank(1, 30.0, 0.6)])
+    assert summary["shares"]["data"] == pytest.approx(0.5) and summary["slowest_rank"] == 1
+    assert summary["step_spread"] == pytest.approx(3.0) and summary["verdict"]["bottleneck"] in ("data", "compute")
+
+
+def _leftovers(before: set) -> list[str]:
+    return sorted(set(map(str, _children())) - set(map(str, before)))
+
+
+def _children() -> set:
+    """Processes this test started, and torchrun's temp folders (it makes one unless given --log-dir)."""
+    import glob
+    import tempfile
+
+    return ({p.pid for p in psutil.Process().children(recursive=True)}
+            | set(glob.glob(f"{tempfile.gettempdir()}/torchelastic_*")))
+
+
+@pytest.mark.parametrize("nproc", [0, 10_000])
+def test_more_ranks_than_the_machine_has_is_refused(tmp_path, nproc):
+    with pytest.raises(ValueError, match=r"--nproc must be in 1\.\.\d+"):
+        diagnosis_report.launch(SCRIPT, [], out=tmp_path, nproc=nproc)
+
+
+def test_a_missing_script_is_named(tmp_path):
+    with pytest.raises(ValueError, match="SCRIPT .*nope.py is not a file"):
+        diagnosis_report.launch(tmp_path / "nope.py", [], out=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_script_that_crashes_shows_its_traceback_and_leaves_nothing(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text("raise RuntimeError('the learner script broke')\n")
+    before = _children()
+    with pytest.raises(ValueError, match=r"(?s)failed on its ranks.*RuntimeError: the learner script broke"):
+        diagnosis_report.launch(script, [], out=tmp_path / "out", timeout_s=120)
+    assert not _leftovers(before)
+
+
+@pytest.mark.slow
+def test_a_script_that_never_steps_times_out_naming_the_optimizer_and_leaves_nothing(tmp_path):
+    script = tmp_path / "loops.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    before = _children()
+    with pytest.raises(ValueError, match=r"did not finish 12 profiled optimizer steps in 8 s; does it call "
+                                         r"optimizer.step\(\)"):
+        diagnosis_report.launch(script, [], out=tmp_path / "out", steps=10, warmup=2, timeout_s=8)
+    assert not _leftovers(before)
+
+
+@pytest.mark.slow
+def test_two_ranks_of_a_starving_loader_are_diagnosed_data_bound_from_the_command_line(tmp_path):
+    out = tmp_path / "diag"
+    before = _children()
+    done = subprocess.run([sys.executable, "-m", "labkit.course.cli", "diagnose", "--nproc", "2", "--steps", "4",
+                           "--out", str(out), "--", str(SCRIPT), "3"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "diagnosis.json").read_text())
+    assert summary["verdict"]["bottleneck"] == "data", done.stdout
+    assert sum(summary["shares"].values()) == pytest.approx(1.0)
+    assert {r["rank"] for r in summary["ranks"]} == {0, 1} and (out / "diagnosis.png").exists()
+    assert all((out / f"trace-rank{r}.json").exists() for r in (0, 1))
+    assert not _leftovers(before)
+    assert "Verdict: data takes" in done.stdout and "Profiler overhead" in done.stdout
