@@ -235,21 +235,47 @@ def rate_label(rate_gbit: float) -> str:
     return f"{rate_gbit:g} Gbit/s" + (" (~unshaped)" if rate_gbit >= UNSHAPED_GBIT else "")
 
 
+MODE_NAMES = {"sync_every_micro_step": "sync every micro-batch", "delayed_sync": "delayed sync"}
+
+TABLE_COLUMNS = (
+    ("rate", "the link's rate each way, Gbit/s"),
+    ("mode", "when the ranks all-reduce their gradients: after every micro-batch, or once per window"),
+    ("syncs", "gradient syncs per optimizer step (DDP sends each as one all-reduce per gradient bucket)"),
+    ("ms/sample", "measured: the slowest rank's optimizer step / the samples all ranks trained on in it"),
+    ("model", "the same by the model: one rank's measured compute + syncs x the ring all-reduce at the rate"),
+    ("meas/model", "measured / model: above 1, time the model leaves out (gloo's own work, the busy cores)"),
+)
+"""The columns of :func:`print_table`, each with what it means: printed under the table."""
+
+
 def print_table(result: GradSyncResult) -> None:
-    """The measured table beside the model: ms per sample, and bytes per optimizer step on rank 0's link."""
-    framed = result.wire_bytes_per_payload_byte
+    """The learner's table: per rate and mode, measured ms per sample beside the model's; every column defined."""
     print(f"links: {result.mode_label}")
-    print(f"one rank alone: {result.single_device.ms_per_sample:.3f} ms/sample (measured, no communication); "
-          f"framing {'%.4f wire bytes per payload byte (measured)' % framed if framed else 'not measured (no shaper)'}")
-    if framed:
-        print(f"bytes the nodes sent / ring model, whole run: {result.sent_over_model():.4f}")
-    print(f"{'rate':>22} {'mode':>22} {'meas ms/sample':>14} {'model':>8} {'ratio':>6} "
-          f"{'link share':>10} {'counted B/step':>14} {'tx B/step':>11} {'wire B/step':>11} {'model B/step':>12}")
+    print(f"one rank alone, no communication: {result.single_device.ms_per_sample:.3f} ms/sample (measured)")
+    print(f"{'rate':>18} {'mode':>23} {'syncs':>5} {'ms/sample':>10} {'model':>9} {'meas/model':>10}")
     for row in result.rows:
-        print(f"{rate_label(row.rate_gbit):>22} {row.mode:>22} {row.ms_per_sample:>14.3f} "
-              f"{row.model_ms_per_sample:>8.3f} {row.measured_over_model:>6.2f} {row.model_link_share:>10.2f} "
-              f"{row.ring_bytes_per_step:>14.0f} {row.tx_bytes_per_step:>11.0f} {row.wire_bytes_per_step:>11.0f} "
-              f"{row.model_ring_bytes_per_step:>12.0f}")
+        print(f"{rate_label(row.rate_gbit):>18} {MODE_NAMES[row.mode]:>23} {syncs_per_step(row.mode, row.accumulation):>5d} "
+              f"{row.ms_per_sample:>10.3f} {row.model_ms_per_sample:>9.3f} {row.measured_over_model:>10.2f}")
+    for name, meaning in TABLE_COLUMNS:
+        print(f"  {name}: {meaning}")
+
+
+def print_bytes_table(result: GradSyncResult) -> None:
+    """The byte detail, per optimizer step, in MB: what the ranks counted, what the kernel saw, and the ring model.
+
+    ``counted`` is the ring bytes the collective counter attributes to rank 0;
+    ``sent`` the TCP payload rank 0's node put on its uplink (headers taken off);
+    ``wire`` what its shaper charged, headers included; ``model`` the ring model.
+    """
+    framed = result.wire_bytes_per_payload_byte
+    print(f"framing (wire bytes per payload byte, whole run): {f'{framed:.4f}' if framed else 'not measured (no shaper)'}")
+    print(f"{'rate':>18} {'mode':>23} {'counted MB':>10} {'sent MB':>8} {'wire MB':>8} {'model MB':>8}")
+    for row in result.rows:
+        print(f"{rate_label(row.rate_gbit):>18} {MODE_NAMES[row.mode]:>23} {row.ring_bytes_per_step / 1e6:>10.3f} "
+              f"{row.tx_bytes_per_step / 1e6:>8.3f} {row.wire_bytes_per_step / 1e6:>8.3f} "
+              f"{row.model_ring_bytes_per_step / 1e6:>8.3f}")
+    print("  per optimizer step, rank 0's node; counted: by the ranks' collective counter; sent: TCP payload on the "
+          "uplink (kernel); wire: what the shaper charged, headers included; model: ring all-reduce bytes")
 
 
 def scaling_plot(result: GradSyncResult):
@@ -276,3 +302,71 @@ def scaling_plot(result: GradSyncResult):
     ax.set_title(f"Data parallelism over {result.mode_label}", fontsize=10)
     ax.legend(fontsize=8)
     return fig
+
+
+def _than(comparison: str) -> str:
+    return f"{comparison} {'as' if comparison == 'about the same' else 'than'}"
+
+
+def model_sentences(result: GradSyncResult) -> list[str]:
+    """What the run showed of the model, from its own rows: how far each shaped sync-every row sat from it."""
+    from labkit.narrate import times
+
+    shaped = [r for r in result.rows if r.rate_gbit < UNSHAPED_GBIT and r.mode == "sync_every_micro_step"]
+    first, *rest = shaped
+    said = [f"syncing every micro-batch at {first.rate_gbit:g} Gbit/s took {first.ms_per_sample:.1f} ms per sample "
+            f"against the model's {first.model_ms_per_sample:.1f}, {_than(times(first.ms_per_sample, first.model_ms_per_sample, more='slower', less='faster'))} the model."]
+    if rest:
+        said.append("On the faster shaped links the measurement was " + ", ".join(
+            f"{r.measured_over_model:.2f}x the model at {r.rate_gbit:g} Gbit/s" for r in rest) + ".")
+    return said
+
+
+def ordering_sentences(result: GradSyncResult, rates_gbit: Sequence[float]) -> list[str]:
+    """Per rate, delayed sync against syncing every micro-batch, then two ranks against one rank alone, in words."""
+    from labkit.narrate import times
+
+    alone = result.single_device.ms_per_sample
+    said = []
+    for rate in rates_gbit:
+        every, delayed = result.row(rate, "sync_every_micro_step"), result.row(rate, "delayed_sync")
+        said.append(f"At {rate_label(rate)} delayed sync was {_than(times(every.ms_per_sample, delayed.ms_per_sample))} "
+                    f"syncing every micro-batch ({delayed.ms_per_sample:.2f} against {every.ms_per_sample:.2f} ms per sample).")
+    slowest = result.row(min(rates_gbit), "sync_every_micro_step")
+    best = min((r for r in result.rows if r.mode == "delayed_sync"), key=lambda r: r.ms_per_sample)
+    said.append(f"Two ranks syncing every micro-batch at {slowest.rate_gbit:g} Gbit/s were "
+                f"{_than(times(alone, slowest.ms_per_sample))} one rank alone ({alone:.3f} ms per sample); "
+                f"delayed sync's best, at {rate_label(best.rate_gbit)}, was {_than(times(alone, best.ms_per_sample))} "
+                "one rank alone.")
+    return said
+
+
+def sync_cost_sentences(result: GradSyncResult) -> list[str]:
+    """Each sync's cost beyond compute, unshaped (gloo and the CPU) and at the slowest rate, against a micro-batch."""
+    from labkit.narrate import times
+
+    per_micro_batch_ms = 1e3 * result.single_device.step_s / result.sizes.accumulation
+    unshaped = result.row(max(r.rate_gbit for r in result.rows), "sync_every_micro_step")
+    slowest = result.row(min(r.rate_gbit for r in result.rows), "sync_every_micro_step")
+    not_link_ms, slow_ms = (sync_beyond_compute_ms(result, row) for row in (unshaped, slowest))
+    more = dict(more="longer", less="shorter")
+    return [f"One rank computes a micro-batch in {per_micro_batch_ms:.1f} ms.",
+            f"Unshaped, each sync cost {not_link_ms:.1f} ms beyond compute (gloo and the CPU, not the link), "
+            f"{_than(times(not_link_ms, per_micro_batch_ms, **more))} a micro-batch of compute;"
+            f" at {slowest.rate_gbit:g} Gbit/s each sync cost {slow_ms:.1f} ms, "
+            f"{_than(times(slow_ms, per_micro_batch_ms, **more))} a micro-batch."]
+
+
+def sync_beyond_compute_ms(result: GradSyncResult, row: SyncRow) -> float:
+    """What one sync of ``row`` cost beyond one rank's compute: (step - compute) / syncs per step, in ms."""
+    return 1e3 * (row.step_s - result.single_device.step_s) / syncs_per_step(row.mode, row.accumulation)
+
+
+def bytes_sentences(result: GradSyncResult) -> list[str]:
+    """What the nodes sent over the run against the ring model, and what the headers added on the wire."""
+    framed = result.wire_bytes_per_payload_byte
+    if framed is None:
+        return ["No shaper counted the wire here: only the counter's bytes were checked."]
+    sent = result.sent_over_model()
+    return [f"Over the run the nodes sent {sent:.4f}x the ring model's bytes ({100 * (sent - 1):.2f}% more: gloo's own "
+            f"messages, TCP's resends), and the wire carried {100 * (framed - 1):.1f}% more than the payload for headers."]

@@ -47,6 +47,16 @@ def test_slower_link_takes_proportionally_longer_for_large_messages():
     assert slow / fast == pytest.approx(25, rel=0.01)
 
 
+def test_bert_large_gradients_on_64_ranks_send_twice_63_64ths_and_take_over_20x_longer_over_4_gbps():
+    """Lab 5's opening numbers: one fp32 all-reduce of BERT-Large's 340M gradients on 64 ranks."""
+    message = 340_000_000 * 4
+    sent = ring_bytes_per_rank("all_reduce", message, 64)
+    assert sent == 2 * 63 * message // 64
+    assert ring_bytes_per_rank("all_gather", message, 64) * 2 == sent
+    slow, fast = (collective_time_s("all_reduce", message, 64, LINKS[n]) for n in ("4 Gbps Ethernet", "100 Gbps"))
+    assert slow > 20 * fast
+
+
 def test_bus_bandwidth_factors_follow_nccl_tests():
     assert c.bus_bandwidth_factor("all_reduce", 4) == 1.5
     assert c.bus_bandwidth_factor("all_gather", 4) == 0.75

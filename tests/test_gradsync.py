@@ -181,3 +181,24 @@ def test_bytes_sent_are_compared_with_the_ring_model_over_the_whole_run():
     result = _synthetic_result(1.05, tx_per_model=1.01)
     assert result.row(0.1, "delayed_sync").tx_bytes_per_step_by_rank == pytest.approx((1.01 * GRADIENT_BYTES,) * 2)
     assert result.sent_over_model() == pytest.approx(1.01)
+
+
+def test_each_sync_beyond_compute_counts_syncs_not_ddps_bucket_all_reduces():
+    result = _synthetic_result(1.05)
+    every = dataclasses.replace(result.row(0.1, "sync_every_micro_step"), all_reduce_calls_per_step=16)
+    assert gradsync_model.sync_beyond_compute_ms(result, every) == pytest.approx(1e3 * (2.56 - 0.032) / 8)
+
+
+def test_what_we_saw_takes_its_comparison_words_from_the_values():
+    result = _synthetic_result(1.05)
+    every = result.row(0.1, "sync_every_micro_step")
+    faster = dataclasses.replace(result.row(0.1, "delayed_sync"), ms_per_sample=10.0)
+    result = dataclasses.replace(result, rows=(every, faster))
+    said = " ".join(gradsync_model.ordering_sentences(result, (0.1,)))
+    assert "delayed sync was 4.00x faster than syncing every micro-batch" in said
+    assert "were 40.0x slower than one rank alone" in said
+    slower = dataclasses.replace(faster, ms_per_sample=80.0)
+    said = " ".join(gradsync_model.ordering_sentences(dataclasses.replace(result, rows=(every, slower)), (0.1,)))
+    assert "delayed sync was 2.00x slower than syncing every micro-batch" in said
+    model = " ".join(gradsync_model.model_sentences(result))
+    assert f"{every.ms_per_sample:.1f} ms per sample against the model's {every.model_ms_per_sample:.1f}" in model

@@ -112,3 +112,26 @@ def test_group_crosses_nodes_only_when_it_spans_two():
 def test_a_tensor_parallel_size_table_without_layers_fails_when_built():
     with pytest.raises(ValueError, match=r"TensorParallelSizes.layers must be >= 1, got 0"):
         tensor_parallel.TensorParallelSizes(hidden=256, ffn=1024, tokens=64, layers=0)
+
+
+def _bert_on_64_nodes_over_4_gbps(accumulation: int) -> dict:
+    rows = p.plan_rows(340_000_000, 64, 1, inter_node="4 Gbps Ethernet", layers=24, hidden=1024, seq_len=128,
+                       micro_batch=4, accumulation=accumulation, device_memory_gib=32, zero_stages=(0,),
+                       device_tflops=30)
+    return next(r for r in rows if r["layout"] == "DP64")
+
+
+def test_bert_on_64_nodes_over_4_gbps_gains_over_5x_samples_per_s_by_accumulating_16_micro_batches():
+    """Lab 5's planner cell: the 2019 story, where the link, not the compute, set the pace."""
+    assert _bert_on_64_nodes_over_4_gbps(16)["samples_per_s"] > 5 * _bert_on_64_nodes_over_4_gbps(1)["samples_per_s"]
+
+
+def test_a_530b_model_on_2240_devices_is_best_served_by_tp_and_pp_with_data_parallelism():
+    """Lab 5's 3D cell: TP inside nodes and PP across them beat ZeRO-3 alone by over 2x; pure DP does not fit."""
+    big = p.plan_rows(530 * 10**9, 280, 8, inter_node="100 Gbps", layers=105, hidden=20480, accumulation=64,
+                      device_memory_gib=80, device_tflops=120)
+    best = big[0]
+    assert best["fits"] and "TP" in best["layout"] and "PP" in best["layout"]
+    zero3_alone = next(r for r in big if r["layout"] == "DP2240+ZeRO3")
+    assert zero3_alone["fits"] and zero3_alone["samples_per_s"] < best["samples_per_s"] / 2
+    assert not next(r for r in big if r["layout"] == "DP2240")["fits"]
