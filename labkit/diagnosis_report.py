@@ -34,7 +34,8 @@ LESSONS: dict[str, tuple[str, str]] = {
                       "overlap the backward pass"),
     "checkpoint": ("Lab 7 (checkpoints)", "save asynchronously: snapshot to host memory, write in the background"),
     "other": ("Lab 3 (memory movement)",
-              "time between ops (Python, framework): larger batches, fewer small ops, or torch.compile"),
+              "time between ops, where the device waits for the host (Python, framework, launches): larger "
+              "batches, fewer small ops, or torch.compile"),
 }
 
 
@@ -134,8 +135,12 @@ def summarise(ranks: list[dict]) -> dict:
             "step_ms": total / len(ranks), "slowest_rank": slowest["rank"],
             "step_spread": max(steps) / min(steps),
             "overhead": sum(r["step_ms"] / r["unprofiled_step_ms"] for r in ranks) / len(ranks),
-            "memory_bound_share_of_compute": sum(r["memory_bound_share_of_compute"] for r in ranks) / len(ranks),
+            "memory_bound_share_of_compute": _mean_or_none([r["memory_bound_share_of_compute"] for r in ranks]),
             "ranks": ranks}
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def table(summary: dict) -> str:
@@ -145,11 +150,12 @@ def table(summary: dict) -> str:
     rows.append(f"{'all':>6} {summary['step_ms']:>8.1f} " + " ".join(f"{summary['shares'][c]:>14.0%}"
                                                                    for c in CATEGORIES))
     v = summary["verdict"]
+    bound = summary["memory_bound_share_of_compute"]
+    bound_text = "not split (GPU kernels carry no FLOP counts)" if bound is None else f"{bound:.0%}"
     return "\n".join([head, *rows, "",
                       f"Verdict: {v['bottleneck']} takes {v['share']:.0%} of each step. See {v['lab']}.",
                       f"First fix to try: {v['first_fix']}.",
-                      f"Compute in memory-bound ops (by this machine's ridge): "
-                      f"{summary['memory_bound_share_of_compute']:.0%}. Slowest rank {summary['slowest_rank']}, "
+                      f"Compute in memory-bound ops (by this machine's ridge): {bound_text}. Slowest rank {summary['slowest_rank']}, "
                       f"step spread across ranks {summary['step_spread']:.2f}x. Profiler overhead: steps ran "
                       f"{summary['overhead']:.2f}x their unprofiled time."])
 

@@ -48,7 +48,8 @@ class StepShares:
     step_ms: float
     shares: dict[str, float]
     memory_bound_ms: float = 0.0
-    """Compute time in ops whose arithmetic intensity sits below the machine's ridge (see :func:`memory_bound`)."""
+    """Compute time in ops whose arithmetic intensity sits below the machine's ridge (see :func:`memory_bound`);
+    NaN on a GPU trace, whose kernels carry no FLOP counts."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,9 @@ class RankBreakdown:
         return {c: sum(s.shares[c] * s.step_ms for s in self.steps) / total for c in CATEGORIES}
 
     @property
-    def memory_bound_share_of_compute(self) -> float:
+    def memory_bound_share_of_compute(self) -> float | None:
+        if any(math.isnan(s.memory_bound_ms) for s in self.steps):
+            return None
         compute = sum(s.shares["compute"] * s.step_ms for s in self.steps)
         return sum(s.memory_bound_ms for s in self.steps) / compute if compute > 0 else 0.0
 
@@ -122,43 +125,71 @@ def training_thread(events: list[dict]) -> object:
 
 
 def attribute_rank(trace: dict, rank: int, *, ridge_flop_per_byte: float = math.inf) -> RankBreakdown:
-    """Each profiled step of one rank's Chrome trace (``torch.profiler`` export), split into :data:`CATEGORIES`."""
+    """Each profiled step of one rank's Chrome trace (``torch.profiler`` export), split into :data:`CATEGORIES`.
+
+    Where the trace has GPU kernels, the device's time comes first (kernels >
+    copies > NCCL kernels > the host waiting for data or a save), as in
+    TensorBoard's plugin: a DataLoader wait while kernels still run is hidden. On
+    the CPU the training thread does everything in turn, so an op inside a
+    DataLoader's ``__next__`` or a save is data or checkpoint, not compute, and
+    gloo's worker thread is exposed only where the training thread is not
+    computing.
+    """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     main = training_thread(events)
     on_main = [e for e in events if e["tid"] == main]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     data = _spans([e for e in on_main if _DATA.match(e["name"])])
-    checkpoint = subtract(_spans([e for e in on_main if e["name"].startswith(CHECKPOINT_SPAN)]), data)
-    h2d = _spans([e for e in gpu if _HOST_TO_DEVICE.search(e["name"])])
-    pg_calls = _spans([e for e in on_main if e.get("cat") == "cpu_op" and _PROCESS_GROUP_CALL.match(e["name"])])
+    checkpoint = _spans([e for e in on_main if e["name"].startswith(CHECKPOINT_SPAN)])
     if gpu:
         compute_events = [e for e in gpu if e.get("cat") == "kernel" and not _COLLECTIVE.match(e["name"])]
+        compute = _spans(compute_events)
+        collectives = _spans([e for e in gpu if e.get("cat") == "kernel" and _COLLECTIVE.match(e["name"])])
+        order = ("compute", "host_to_device", "communication", "data", "checkpoint")
     else:
+        pg_calls = _spans([e for e in on_main if e.get("cat") == "cpu_op" and _PROCESS_GROUP_CALL.match(e["name"])])
         compute_events = [e for e in on_main if e.get("cat") == "cpu_op" and not _PROCESS_GROUP_CALL.match(e["name"])]
-    compute = subtract(_spans(compute_events), pg_calls)
-    collectives = union(_spans([e for e in events if _COLLECTIVE.match(e["name"])]) + pg_calls)
+        compute = subtract(_spans(compute_events), pg_calls)
+        collectives = union(_spans([e for e in events if _COLLECTIVE.match(e["name"])]) + pg_calls)
+        order = ("data", "checkpoint", "host_to_device", "compute", "communication")
+    spans = {"data": data, "checkpoint": checkpoint, "compute": compute, "communication": collectives,
+             "host_to_device": _spans([e for e in gpu if _HOST_TO_DEVICE.search(e["name"])])}
     # A wrapper op (aten::linear) counts no FLOPs itself; the matmul inside it does, so its time is taken out.
     arithmetic = _spans([e for e in compute_events if e.get("args", {}).get("flops")
                          and not memory_bound(e, ridge_flop_per_byte)])
     bound_spans = subtract(_spans([e for e in compute_events if memory_bound(e, ridge_flop_per_byte)]), arithmetic)
-    steps = []
-    for e in sorted((e for e in on_main if _STEP.match(e["name"])), key=lambda e: e["ts"]):
-        window = (e["ts"], e["ts"] + e["dur"])
-        claimed: list[Interval] = []
-        took = {}
-        for name, spans in (("data", data), ("checkpoint", checkpoint), ("host_to_device", h2d),
-                            ("compute", compute), ("communication", collectives)):
-            mine = subtract(clip(spans, window), claimed)
-            took[name] = length(mine)
-            claimed = union(claimed + mine)
-        took["other"] = (window[1] - window[0]) - length(claimed)
-        total = window[1] - window[0]
-        bound = length(subtract(clip(bound_spans, window), union(clip(data, window) + clip(checkpoint, window))))
-        steps.append(StepShares(int(_STEP.match(e["name"]).group(1)), total / 1e3,
-                                {c: took[c] / total for c in CATEGORIES}, min(bound, took["compute"]) / 1e3))
+    if gpu:  # kernels carry no FLOPs or shapes in the trace: not split until mapped to their ops
+        bound_spans = None
+    steps = [_split(e, order, spans, bound_spans)
+             for e in sorted((e for e in on_main if _STEP.match(e["name"])), key=lambda e: e["ts"])]
     if not steps:
         raise ValueError("the trace holds no ProfilerStep spans: no optimizer step ran while it was recorded")
     return RankBreakdown(rank, steps)
+
+
+def _split(step: dict, order: tuple[str, ...], spans: dict[str, list[Interval]],
+           bound_spans: list[Interval] | None) -> StepShares:
+    """One step's instants, each given to the first category in ``order`` that covers it."""
+    window = (step["ts"], step["ts"] + step["dur"])
+    claimed: list[Interval] = []
+    took: dict[str, float] = {}
+    compute_instants: list[Interval] = []
+    for name in order:
+        mine = subtract(clip(spans[name], window), claimed)
+        took[name] = length(mine)
+        if name == "compute":
+            compute_instants = mine
+        claimed = union(claimed + mine)
+    total = window[1] - window[0]
+    took["other"] = total - length(claimed)
+    bound = math.nan if bound_spans is None else length(clip_to(bound_spans, compute_instants))
+    return StepShares(int(_STEP.match(step["name"]).group(1)), total / 1e3,
+                      {c: took[c] / total for c in CATEGORIES}, bound / 1e3)
+
+
+def clip_to(these: list[Interval], within: list[Interval]) -> list[Interval]:
+    """The instants of ``these`` that also lie in ``within`` (both unions)."""
+    return subtract(these, subtract(union(these), within))
 
 
 def memory_bound(event: dict, ridge_flop_per_byte: float) -> bool:
