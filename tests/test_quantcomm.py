@@ -236,6 +236,10 @@ def test_zeropp_cross_node_bytes_land_on_the_model_on_either_kind_of_link(links)
     assert rows["ZeRO++"].wire_vs_zero3 <= 0.30
     assert result.grad_error.within_bound_everywhere
     assert {t.rate_gbit for t in zeropp_model.time_table(result)} == {0.5, 4.0}
+    # hpZ's price, from the tensors a rank really holds: one node's share of the 16-bit model (Lab 6's memory cell)
+    extra = qc.hpz_extra_bytes_per_rank(result.num_params, ranks_per_node=result.layout.ranks_per_node, param_bytes=2)
+    assert result.hpz_secondary_bytes == extra
+    assert result.hpz_secondary_bytes == result.primary_shard_bytes * result.layout.nodes
 
 
 def test_lab6_size_tables_without_steps_fail_when_built():
