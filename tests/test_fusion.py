@@ -78,3 +78,9 @@ def test_interleaved_timing_returns_the_best_of_each():
     assert calls == ["a", "b"] * 3 and set(best) == {"a", "b"}
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         interleaved_best_ms({"a": lambda: None}, repeats=0)
+
+
+def test_fused_chain_moves_fewer_bytes_at_every_profile_size():
+    for sizes in fusion.SIZES.values():
+        prediction = fusion.predict(sizes.rows, sizes.hidden, sizes.dtype)
+        assert prediction.fused_bytes < prediction.unfused_bytes

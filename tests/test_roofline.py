@@ -148,3 +148,17 @@ def test_other_variants_of_a_family_get_no_vendor_row_so_the_measured_roof_is_us
 
 def test_every_known_device_name_points_at_an_existing_vendor_row():
     assert set(roofline_devices.VENDOR_DEVICE_NAMES.values()) <= set(roofline_devices.VENDOR_SPECS)
+
+
+@pytest.mark.parametrize("device", sorted(roofline_devices.VENDOR_SPECS))
+def test_lab3_memory_ops_sit_at_least_5x_below_the_ridge_in_every_dtype_a_vendor_row_lists(device):
+    spec = roofline_devices.device_spec(device)
+    for dtype in spec.peak_flops_per_s:
+        for cost in (roofline.elementwise(2**24, dtype, inputs=2), roofline.softmax(4096, 4096, dtype),
+                     roofline.layer_norm(8192, 4096, dtype)):
+            assert cost.intensity < spec.ridge(dtype) / 5, (dtype, cost.name)
+
+
+def test_lab3_explorer_decoding_one_token_is_memory_bound_and_a_training_batch_compute_bound_at_hidden_8192():
+    assert roofline_devices.explore("H100", batch=1, seq_len=1, hidden=8192)["MLP matmul"].bound == "memory-bound"
+    assert roofline_devices.explore("H100", batch=8, seq_len=4096, hidden=8192)["MLP matmul"].bound == "compute-bound"
