@@ -150,3 +150,7 @@ def test_calculator_refuses_unknown_offload_and_empty_device():
         zero.calculator_view(1e9, 4, 1, "tape", 80)
     with pytest.raises(ValueError, match="device_gib must be > 0"):
         zero.calculator_view(1e9, 4, 1, "none", 0)
+
+
+def test_zero3_on_64_gpus_holds_one_64th_of_plain_data_parallelism():
+    assert zero.model_state_bytes(PSI, 3, 64).total * 64 == zero.model_state_bytes(PSI, 0, 64).total
