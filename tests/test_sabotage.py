@@ -238,6 +238,10 @@ SABOTAGES = [
     """, fails_at="5c1e0a02", says="measured_over_model",
              needs=('861d0932', 'a171f42a', '1b231abd'),
              trim=TRIM_LAB5_RATES.format(rates="min(gradsync.RATES_GBIT), max(gradsync.RATES_GBIT)")),
+    Sabotage("05_gradient_sync", "the crossover's delayed sync syncs every micro-batch", """
+        from labkit import gradsync, gradsync_crossover
+        gradsync_crossover.delayed_sync = gradsync.sync_every_micro_step
+    """, fails_at="crossover-asserts-05", says="of the ceiling", needs=('861d0932', 'crossover-run-05')),
     Sabotage("06_quantized_collectives", "hpZ gathers weights across nodes", """
         import torch.distributed as dist
         from labkit import quantcomm
