@@ -193,10 +193,12 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 LOG_DIR_PREFIX = "labkit-ranks-"
+KERNEL_DIR_PREFIX = "labkit-kernel-"
+"""``labkit run``'s folder for a kernel's Unix sockets (:func:`labkit.course.runner.kernel_folder`)."""
 
 
 def remove_stale_dirs() -> list[Path]:
-    """Remove rank log folders and fork-server folders whose process is gone; returns them.
+    """Remove rank log, fork-server and kernel-socket folders whose process is gone; returns them.
 
     A failed launch keeps its ranks' logs for the person reading the error, for as
     long as the process that launched them (a notebook's kernel) lives; its fork
@@ -204,7 +206,8 @@ def remove_stale_dirs() -> list[Path]:
     A process killed outright never cleans up, so every launch sweeps up after dead ones.
     """
     removed = []
-    places = [(LOG_DIR_PREFIX, tempfile.gettempdir()), (MP_DIR_PREFIX, multiprocessing_base_dir())]
+    places = [(LOG_DIR_PREFIX, tempfile.gettempdir()), (MP_DIR_PREFIX, multiprocessing_base_dir()),
+              (KERNEL_DIR_PREFIX, multiprocessing_base_dir())]
     for prefix, place in places:
         for folder in Path(place).glob(f"{prefix}*-*"):
             pid = folder.name[len(prefix):].split("-")[0]

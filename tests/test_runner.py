@@ -94,13 +94,30 @@ def test_a_bad_profile_stops_labkit_run_before_any_lab(tmp_path, monkeypatch, ca
     assert not (tmp_path / "03_memory_movement").exists()
 
 
-def test_kernels_start_on_unix_sockets_not_tcp(tmp_path):
+@pytest.mark.slow
+def test_kernels_listen_on_no_tcp_port_and_forked_children_still_print(tmp_path):
+    """ipykernel binds its pipe for forked children's output to TCP whatever the transport; labkit's kernel does not."""
+    import shutil
+
     import nbformat
 
-    from labkit.course.runner import _ProgressClient
+    from labkit.course.runner import _execute, _ProgressClient
 
-    client = _ProgressClient(nbformat.v4.new_notebook(), bar=None, kernel_name="python3")
-    assert client.create_kernel_manager().transport == "ipc"
+    cells = ["import os, subprocess, multiprocessing as mp",
+             "p = mp.get_context('fork').Process(target=print, args=('from a forked child',)); p.start(); p.join()",
+             "out = subprocess.run(f\"ss -tlnp | grep 'pid={os.getpid()},'\", shell=True, capture_output=True, "
+             "text=True).stdout\nassert out == '', out"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = _ProgressClient(nb, bar=None, timeout=60, kernel_name="python3",
+                             resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        client.bar = type("Bar", (), {"update": lambda self, n: None})()
+        assert _execute(client) == ""
+        assert client.kernel_dir is not None and client.kernel_dir.name.startswith("labkit-kernel-")
+        assert "from a forked child" in "".join(o.get("text", "") for o in nb.cells[1].outputs)
+        assert not list(tmp_path.iterdir()), "no socket lands in the notebook's folder"
+    finally:
+        shutil.rmtree(client.kernel_dir, ignore_errors=True)
 
 
 def test_out_dir_is_made_absolute_because_kernels_run_in_notebooks(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import contextlib
 import html
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -113,10 +114,23 @@ class _ProgressClient(NotebookClient):
         self.cell_index: int | None = None
 
     def create_kernel_manager(self):
-        """A kernel on Unix sockets where the platform has them: no TCP port any local user could reach."""
+        """A kernel on Unix sockets where the platform has them: no TCP port any local user could reach.
+
+        The sockets and the connection file live in :func:`kernel_folder`, by absolute path: the kernel starts
+        in ``notebooks/`` and the runner elsewhere, so a relative one would name two places. The kernel is
+        :mod:`labkit.course.kernel`, which moves ipykernel's last TCP port (its pipe for forked children's
+        output) onto a Unix socket too.
+        """
         km = super().create_kernel_manager()
         if os.name == "posix":
+            from jupyter_client.kernelspec import KernelSpec
+
+            self.kernel_dir = kernel_folder()
             km.transport = "ipc"
+            km.ip = str(self.kernel_dir / "kernel")
+            km.connection_file = str(self.kernel_dir / "kernel.json")
+            km._kernel_spec = KernelSpec(argv=[sys.executable, "-m", "labkit.course.kernel", "-f",
+                                               "{connection_file}"], display_name="labkit", language="python")
         return km
 
     async def async_start_new_kernel_client(self):
@@ -130,6 +144,8 @@ class _ProgressClient(NotebookClient):
             return await super().async_execute_cell(cell, cell_index, **kwargs)
         finally:
             self.bar.update(1)
+
+    kernel_dir: Path | None = None
 
     def kernel_pid(self) -> int | None:
         process = getattr(getattr(self.km, "provisioner", None), "process", None)
@@ -166,6 +182,19 @@ def _execute_stoppably(client: _ProgressClient) -> str:
         _forget_kernel(client)
         raise
     return outcome[0]
+
+
+def kernel_folder() -> Path:
+    """A private folder for a kernel's sockets, ``labkit-kernel-<pid>-*`` so a sweep finds it once the runner is gone.
+
+    It sits where a Unix socket's path stays short enough (see :func:`labkit.processes.multiprocessing_base_dir`).
+    """
+    import tempfile
+
+    from labkit.launcher import KERNEL_DIR_PREFIX
+    from labkit.processes import multiprocessing_base_dir
+
+    return Path(tempfile.mkdtemp(prefix=f"{KERNEL_DIR_PREFIX}{os.getpid()}-", dir=multiprocessing_base_dir()))
 
 
 def _forget_kernel(client: _ProgressClient) -> None:
@@ -223,6 +252,8 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
             from labkit.launcher import remove_stale_dirs
 
             remove_stale_dirs()
+            if client.kernel_dir is not None:
+                shutil.rmtree(client.kernel_dir, ignore_errors=True)
     seconds = time.perf_counter() - start
     return LabRun(lab, passed=not error, seconds=seconds, error=error,
                   figures=results.read(figures_path), images=_save_images(nb, lab_dir))
