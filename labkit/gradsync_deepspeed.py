@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.collectives import CommCounter
-from labkit.gradsync import make_model, micro_batches, param_bytes
-from labkit.gradsync_model import check_accumulation
+from labkit.gradsync_workload import check_accumulation, make_model, micro_batches, param_bytes
 
 
 @dataclass(frozen=True)

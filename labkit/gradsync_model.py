@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from labkit.collectives import ring_bytes_per_rank
 from labkit.gradsync_links import LinkMode
+from labkit.gradsync_workload import check_accumulation
 from labkit.topology import Topology, gbit_to_bytes_per_s, predicted_s
 
 if TYPE_CHECKING:
-    from labkit.gradsync import GradSyncSizes
+    from labkit.gradsync_workload import GradSyncSizes
     from labkit.gradsync_deepspeed import DeepSpeedCounts
 
 UNSHAPED_GBIT = 100.0
@@ -42,11 +43,6 @@ the unshaped rate shows) grows with the load; 1.2 is about three times the worst
 excess seen. Faster links are printed, not held to it: at 0.5 Gbit/s the same
 runs gave 0.96-1.59, the CPU's share of each sync showing through.
 """
-
-
-def check_accumulation(accumulation: int) -> None:
-    if not isinstance(accumulation, int) or accumulation < 1:
-        raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
 
 
 def two_node_topology(world_size: int, rate_gbit: float) -> Topology:

@@ -66,3 +66,24 @@ def test_on_a_slow_emulated_link_a_long_window_beats_syncing_every_micro_batch()
     assert result.samples_per_s(16) > 4 * result.samples_per_s(1)
     gradient_bytes = 2 * (64 * 64 + 64) * 4  # two ranks: the ring sends the whole gradient once each way
     assert result.sync_s() > 0.5 * gradient_bytes * 8 / 0.01e9  # at least half the slept all-reduce
+
+
+def test_lab5_modules_import_without_a_circle():
+    """gradsync, its model, DeepSpeed's counts and the crossover share what they train through gradsync_workload."""
+    import ast
+    from pathlib import Path
+
+    import labkit
+
+    folder = Path(labkit.__file__).parent
+    names = ["gradsync", "gradsync_model", "gradsync_deepspeed", "gradsync_crossover", "gradsync_workload", "gradsync_links"]
+    imports = {}
+    for name in names:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = {node.module.split(".")[-1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imports[name] = found & set(names)
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in imports[start])
+
+    assert not [name for name in names if reaches(name, name)]
