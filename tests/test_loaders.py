@@ -263,3 +263,10 @@ def test_compute_share_is_the_accelerators_part_of_an_images_time_without_worker
     assert ladder.compute_share(serial(750, 333)) == pytest.approx(0.25, abs=0.01)
     with pytest.raises(ValueError, match="serial needs measured items"):
         ladder.compute_share(serial(0, 1))
+
+
+def test_the_sizing_implies_a_third_busy_only_where_the_model_is_sized_to_the_loader(monkeypatch):
+    monkeypatch.setattr(accel, "split_cores", lambda: ({1}, {0}))
+    assert ladder.busy_the_sizing_implies() == pytest.approx(1 / ladder.ACCELERATOR_OVER_LOADER)
+    monkeypatch.setattr(accel, "split_cores", lambda: None)
+    assert ladder.busy_the_sizing_implies() is None, "the sleeping stand-in is not sized to the loader"
