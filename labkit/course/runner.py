@@ -232,7 +232,9 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
     figures_path.unlink(missing_ok=True)
     env_before = dict(os.environ)
     os.environ[results.ENV_VAR] = str(figures_path)
-    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # Figures must land in the executed notebook (and so in the report) even where the caller set a file-only
+    # backend such as Agg for its own plots: that is what a headless run is for.
+    os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     if profile:
         os.environ["LABKIT_PROFILE"] = profile
     start = time.perf_counter()
