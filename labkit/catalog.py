@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Iterable, Literal, Mapping
 
 import daft
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from daft import col
+from PIL import Image
 
 CATALOG_SCHEMA: dict[str, pa.DataType] = {
     "image_id": pa.int64(),
@@ -220,6 +222,20 @@ def decoded_inflation(frame: daft.DataFrame) -> float:
         col("bytes").sum().alias("jpeg"),
     ).to_pydict()
     return float(totals["pixels"][0]) / float(totals["jpeg"][0])
+
+
+def decoded_bytes(paths: Iterable[str]) -> int:
+    """Bytes of the uint8 RGB arrays the images at ``paths`` decode to: each is decoded with PIL and counted.
+
+    :func:`decoded_inflation` reads what a decode *should* take from the catalog
+    (width x height x 3); this decodes at full size and counts what it did take,
+    so a catalog whose sizes no longer describe its files shows as a mismatch.
+    """
+    total = 0
+    for path in paths:
+        with Image.open(path) as image:
+            total += np.asarray(image.convert("RGB")).nbytes
+    return total
 
 
 def mean_by(frame: daft.DataFrame, key: str, value: str) -> dict[object, float]:

@@ -114,3 +114,18 @@ def test_bad_arguments_are_named(small_dataset):
         catalog.quality_histogram(frame, 0)
     with pytest.raises(ValueError, match="on_missing must be"):
         catalog.check_paths(frame, on_missing="ignore")
+
+
+def test_decoding_the_images_takes_the_bytes_the_catalog_says(small_dataset, tmp_path):
+    frame = catalog.read_catalog(small_dataset)
+    rows = frame.limit(16).to_pydict()
+    decoded = catalog.decoded_bytes(rows["path"])
+    assert decoded == sum(w * h * 3 for w, h in zip(rows["width"], rows["height"]))
+    assert decoded / sum(rows["bytes"]) == pytest.approx(catalog.decoded_inflation(frame.limit(16)))
+    from PIL import Image
+
+    smaller = tmp_path / "smaller.jpg"
+    with Image.open(rows["path"][0]) as image:
+        image.resize((image.width // 2, image.height // 2)).save(smaller)
+    assert catalog.decoded_bytes([str(smaller)]) < rows["width"][0] * rows["height"][0] * 3, \
+        "a file that no longer matches its catalog row decodes to other bytes"
