@@ -37,7 +37,7 @@ def training_loop_target(state_mb: float, steps: int, save_every: int, device: s
             for k in ("none", "sync", "async")}
     print(f"  state {runs['sync'].state_bytes / 1e6:.0f} MB, {runs['none'].wall_s:.2f} s for {steps} steps unsaved")
     for run in (runs["sync"], runs["async"]):
-        print(" ", run.describe())
+        print(" ", run.describe(runs["none"]))
         print(f"         per save: blocked {[round(d * 1e3, 1) for _, d in run.blocked_spans]} ms, "
               f"total {[round(s.total_s * 1e3, 1) for s in run.saves]} ms; final drain {run.drain_s:.2f} s")
     sync, async_ = runs["sync"], runs["async"]

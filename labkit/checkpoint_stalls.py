@@ -150,20 +150,36 @@ class TrainingRun:
     losses: list[float]
 
     @property
-    def useful_s(self) -> float:
-        """Every step at this run's median step time: what the steps cost undisturbed.
-
-        A step slowed by the background writer counts only its undisturbed part.
-        """
-        durations = sorted(d for _, d in self.step_spans)
-        return len(durations) * durations[len(durations) // 2]
+    def end_s(self) -> float:
+        """Seconds from the first step to the last byte committed: the final write included."""
+        return self.wall_s + self.drain_s
 
     @property
-    def goodput(self) -> float:
-        """:func:`labkit.interval.goodput` of this run, the final write (``drain_s``) included."""
+    def median_step_s(self) -> float:
+        durations = sorted(d for _, d in self.step_spans)
+        return durations[len(durations) // 2]
+
+    @property
+    def fastest_step_s(self) -> float:
+        """The shortest step: what a step costs with nothing else slowing it (noise only adds time)."""
+        return min(d for _, d in self.step_spans)
+
+    def goodput(self, baseline: "TrainingRun") -> float:
+        """:func:`labkit.interval.goodput` of this run against ``baseline``, the same steps without checkpoints.
+
+        Useful time is this run's steps at the baseline's fastest step: what the
+        training work costs with nothing saved and nothing else in the way. A run's
+        *own* step time will not do: a background writer that slows every step
+        raises it with the wall time, so a run that finished later could score
+        higher. The baseline's fastest step rather than its median, because the
+        three runs follow each other and other work on a shared machine lengthens
+        the steps of one run more than another's: it only ever adds time.
+        """
         from labkit.interval import goodput
 
-        return goodput(self.useful_s, self.wall_s + self.drain_s)
+        if baseline.kind != "none":
+            raise ValueError(f"the baseline must be the run without checkpoints (kind 'none'), got {baseline.kind!r}")
+        return goodput(self.steps * baseline.fastest_step_s, self.end_s)
 
     @property
     def mean_blocked_s(self) -> float:
@@ -183,11 +199,12 @@ class TrainingRun:
     def mean_total_s(self) -> float:
         return sum(s.total_s for s in self.saves) / max(1, len(self.saves))
 
-    def describe(self) -> str:
+    def describe(self, baseline: "TrainingRun") -> str:
         """One line per run; the lab and its benchmark both print this one, so their figures compare."""
         return (f"{self.kind:>5}: blocked {self.mean_blocked_s * 1e3:7.1f} ms/save, "
-                f"total {self.mean_total_s * 1e3:7.1f} ms/save, goodput {self.goodput:.3f} "
-                f"(useful {self.useful_s:.2f} s of {self.wall_s + self.drain_s:.2f} s wall, final write included), "
+                f"total {self.mean_total_s * 1e3:7.1f} ms/save, median step {self.median_step_s * 1e3:6.1f} ms, "
+                f"ended at {self.end_s:.2f} s (final write included), goodput {self.goodput(baseline):.3f} "
+                f"(useful: {self.steps} steps x {baseline.fastest_step_s * 1e3:.1f} ms, the fastest without checkpoints), "
                 f"peak host memory added {self.peak_rss_added_bytes / 1e6:.0f} MB")
 
 
@@ -282,11 +299,14 @@ def resume_experiment(
 
 
 def timeline_spans(run: TrainingRun) -> list[tuple[str, float, float, str]]:
-    """Rows for ``labkit.plots.timeline`` (milliseconds): steps, blocked time, background writes."""
+    """Rows for ``labkit.plots.timeline`` (milliseconds): steps, blocked time, background writes,
+    and the wait for the final write after the last step, so the timeline ends where the run does."""
     from labkit.plots import BASELINE, FIX, WARN
 
     spans = [("training step", s * 1e3, d * 1e3, FIX) for s, d in run.step_spans]
     spans += [("training blocked by save", s * 1e3, d * 1e3, WARN) for s, d in run.blocked_spans]
+    if run.drain_s > 0:
+        spans.append(("training blocked by save", run.wall_s * 1e3, run.drain_s * 1e3, WARN))
     spans += [("background write", s * 1e3, d * 1e3, BASELINE) for s, d in run.write_spans]
     return spans
 

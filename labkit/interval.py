@@ -97,30 +97,6 @@ def plan_interval(checkpoint_cost_s: float, mtbf_s: float, restart_s: float = 0.
     )
 
 
-def plan_text(seconds_per_gb: dict[str, float], state_gb: float, mtbf_h: float, restart_min: float) -> str:
-    """One line per saver: its checkpoint cost at ``state_gb`` and the plan :func:`plan_interval` makes of it."""
-    lines = []
-    for name, s_per_gb in seconds_per_gb.items():
-        plan = plan_interval(s_per_gb * state_gb, mtbf_h * 3600, restart_min * 60)
-        lines.append(f"{name:>5}: cost {s_per_gb * state_gb:7.1f} s -> save every {plan.interval_s / 60:6.1f} min, "
-                     f"lose {plan.lost_work_per_failure_s / 60:5.1f} min per failure, goodput {plan.goodput:.3f}")
-    return "\n".join(lines)
-
-
-def plan_widget(seconds_per_gb: dict[str, float]):
-    """Controls over :func:`plan_text` for savers whose cost per GB was measured (see :mod:`labkit.widgets`)."""
-    import ipywidgets as widgets
-
-    from labkit.widgets import live
-
-    controls = {
-        "state_gb": widgets.FloatSlider(value=100.0, min=1.0, max=2000.0, step=1.0, description="state GB"),
-        "mtbf_h": widgets.FloatSlider(value=3.0, min=0.5, max=24.0, step=0.5, description="MTBF h"),
-        "restart_min": widgets.FloatSlider(value=10.0, min=0.0, max=60.0, step=1.0, description="restart min"),
-    }
-    return live(lambda **values: plan_text(seconds_per_gb, **values), controls)
-
-
 def restore_time_s(state_bytes: float, read_bytes_per_s: float, startup_s: float = 0.0) -> float:
     """A *model* for the restore-cache proposal, nothing implemented: restart time is
     start-up plus reading the state at the source's bandwidth (remote storage vs a
@@ -129,6 +105,86 @@ def restore_time_s(state_bytes: float, read_bytes_per_s: float, startup_s: float
     _positive("read_bytes_per_s", read_bytes_per_s)
     _non_negative("startup_s", startup_s)
     return startup_s + state_bytes / read_bytes_per_s
+
+
+STORE_READ_BYTES_PER_S = 2e9
+"""Assumed: a remote object store read at 2 GB/s by one restarting job."""
+STARTUP_S = 60.0
+"""Assumed: process start, imports and rendezvous of a restarted job."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A fleet-scale case that a save cost measured here is scaled to (seconds, GB).
+
+    One scenario for the widget, the figure and the restore model, so the same
+    saver gets the same modelled goodput in all three. The defaults: a 100 GB
+    state; the MTBF of about 3 h that the Llama 3 paper reports for unexpected
+    interruptions on 16,384 H100s (their figure); a restart of :data:`STARTUP_S`
+    plus reading the state back from a remote store at
+    :data:`STORE_READ_BYTES_PER_S` (both assumed).
+    """
+
+    state_gb: float = 100.0
+    mtbf_s: float = 3 * 3600.0
+    restart_s: float = restore_time_s(100e9, STORE_READ_BYTES_PER_S, STARTUP_S)
+
+    def plans(self, seconds_per_gb: dict[str, float]) -> dict[str, IntervalPlan]:
+        """Per saver, :func:`plan_interval` at this scenario's state size, MTBF and restart."""
+        return {name: plan_interval(s_per_gb * self.state_gb, self.mtbf_s, self.restart_s)
+                for name, s_per_gb in seconds_per_gb.items()}
+
+
+def plan_text(seconds_per_gb: dict[str, float], state_gb: float, mtbf_h: float, restart_s: float) -> str:
+    """One line per saver: its checkpoint cost at ``state_gb`` and the plan :func:`plan_interval` makes of it."""
+    scenario = Scenario(state_gb=state_gb, mtbf_s=mtbf_h * 3600, restart_s=restart_s)
+    lines = []
+    for name, plan in scenario.plans(seconds_per_gb).items():
+        cost_s = seconds_per_gb[name] * state_gb
+        lines.append(f"{name:>5}: cost {cost_s:7.1f} s -> save every {plan.interval_s / 60:6.1f} min, "
+                     f"lose {plan.lost_work_per_failure_s / 60:5.1f} min per failure, goodput {plan.goodput:.4f}")
+    return "\n".join(lines)
+
+
+def plan_widget(seconds_per_gb: dict[str, float], scenario: Scenario = Scenario()):
+    """Controls over :func:`plan_text` for savers whose cost per GB was measured, starting at ``scenario``
+    (see :mod:`labkit.widgets`)."""
+    import ipywidgets as widgets
+
+    from labkit.widgets import live
+
+    controls = {
+        "state_gb": widgets.FloatSlider(value=scenario.state_gb, min=1.0, max=2000.0, step=1.0, description="state GB"),
+        "mtbf_h": widgets.FloatSlider(value=scenario.mtbf_s / 3600, min=0.5, max=24.0, step=0.5, description="MTBF h"),
+        "restart_s": widgets.FloatSlider(value=scenario.restart_s, min=0.0, max=3600.0, step=10.0,
+                                         description="restart s"),
+    }
+    return live(lambda **values: plan_text(seconds_per_gb, **values), controls)
+
+
+def plot_saver_plans(seconds_per_gb: dict[str, float], colors: dict[str, str], scenario: Scenario = Scenario()):
+    """Modelled goodput against the interval between saves, one curve per saver, its Young/Daly interval a dot."""
+    from labkit import plots
+
+    plans = scenario.plans(seconds_per_gb)
+    costs = {name: s_per_gb * scenario.state_gb for name, s_per_gb in seconds_per_gb.items()}
+    low_s = 0.5 * min(costs.values())
+    grid = [low_s * (scenario.mtbf_s / low_s) ** (i / 80) for i in range(81)]
+    fig, (ax,) = plots.figure(1)
+    for name, cost_s in costs.items():
+        xs = sorted(grid + [plans[name].interval_s])
+        ax.plot([x / 60 for x in xs], [goodput_fraction(x, cost_s, scenario.mtbf_s, scenario.restart_s) for x in xs],
+                color=colors[name], label=name)
+        ax.plot(plans[name].interval_s / 60, plans[name].goodput, "o", color=colors[name])
+    ax.set_xscale("log")
+    ax.set_xlabel("minutes between saves")
+    ax.set_ylabel("goodput (model)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{scenario.state_gb:.0f} GB state, MTBF {scenario.mtbf_s / 3600:.1f} h, restart "
+                 f"{scenario.restart_s:.0f} s: dots are the Young/Daly interval")
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 def simulate_goodput(
@@ -190,20 +246,31 @@ def interval_sweep(
     ]
 
 
-def plot_interval_sweep(sweep: list[SweepPoint]):
-    """Goodput against the interval: the simulation as points, the first-order model as a dashed line."""
+def plot_interval_sweep(sweep: list[SweepPoint], reference: tuple[str, float] | None = None):
+    """Modelled goodput against the interval: the first-order model as a line, a Monte-Carlo of the same
+    failure model as points. ``reference`` (label, goodput) draws a reported figure as a dotted line.
+
+    The y-axis starts at 0.85 (lower if a point falls below), so differences of a
+    fraction of a percent look as small as they are.
+    """
     from labkit import plots
 
     fig, (ax,) = plots.figure(1)
     xs = [point.interval_s for point in sweep]
-    ax.plot(xs, [point.model_goodput for point in sweep], "--", color=plots.BASELINE, label="Young/Daly first-order model")
-    ax.plot(xs, [point.simulated_goodput for point in sweep], "o-", color=plots.FIX, label="simulated failures")
+    ax.plot(xs, [point.model_goodput for point in sweep], "-", color=plots.BASELINE, lw=3, alpha=0.5,
+            label="Young/Daly first-order model")
+    ax.plot(xs, [point.simulated_goodput for point in sweep], "o", color=plots.FIX,
+            label="failures drawn at random (Monte-Carlo, same model)")
     optimum = next(point.interval_s for point in sweep if point.factor == 1)
     ax.axvline(optimum, color=plots.GOOD, lw=1, label="sqrt(2 x cost x MTBF)")
+    if reference is not None:
+        ax.axhline(reference[1], color=plots.WARN, lw=1, ls=":", label=reference[0])
+    lowest = min(min(p.model_goodput, p.simulated_goodput) for p in sweep)
+    ax.set_ylim(min(0.85, lowest - 0.02), 1.0)
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (s of work)")
-    ax.set_ylabel("goodput")
-    ax.set_title("goodput vs checkpoint interval")
-    ax.legend()
+    ax.set_ylabel("goodput (modelled)")
+    ax.set_title("modelled goodput vs checkpoint interval")
+    ax.legend(loc="lower center", fontsize=8)
     fig.tight_layout()
     return fig

@@ -351,20 +351,48 @@ def test_crash_consistency_check_finds_the_committed_checkpoint_after_every_kill
     assert done.stdout.count("3 loads OK") == 2 and "VIOLATION" not in done.stdout
 
 
-def test_goodput_counts_slowed_steps_and_the_final_write_against_the_run():
-    """One definition (labkit.interval.goodput): useful step time over wall time, last write included."""
+def _run(kind: str, step_s: list[float], *, blocked_s: float = 0.0, drain_s: float = 0.0):
     from labkit.checkpoint_stalls import TrainingRun
 
-    steps = [(i * 1.0, 1.0) for i in range(5)] + [(5.0, 3.0)]  # one step slowed by a background writer
-    run = TrainingRun(kind="async", steps=6, save_every=3, state_bytes=1, wall_s=8.5, drain_s=1.5,
-                      compute_s=8.0, saves=[], step_spans=steps, blocked_spans=[(3.0, 0.5)], write_spans=[],
-                      peak_rss_added_bytes=0, losses=[])
-    assert run.useful_s == 6.0
-    assert run.goodput == pytest.approx(6.0 / 10.0)
+    starts = [sum(step_s[:i]) for i in range(len(step_s))]
+    wall_s = sum(step_s) + blocked_s
+    return TrainingRun(kind=kind, steps=len(step_s), save_every=3, state_bytes=1, wall_s=wall_s, drain_s=drain_s,
+                       compute_s=sum(step_s), saves=[], step_spans=list(zip(starts, step_s)),
+                       blocked_spans=[(0.0, blocked_s)] if blocked_s else [], write_spans=[],
+                       peak_rss_added_bytes=0, losses=[])
+
+
+def test_goodput_counts_the_steps_at_the_run_without_checkpoints_and_the_final_write():
+    """One definition (labkit.interval.goodput): useful = steps x the fastest no-checkpoint step; wall to the last commit."""
+    none = _run("none", [1.0] * 5 + [4.0])
+    slowed = _run("async", [1.0] * 5 + [3.0], blocked_s=0.5, drain_s=1.5)
+    assert slowed.end_s == 10.0
+    assert slowed.goodput(none) == pytest.approx(6.0 / 10.0)
+    assert none.goodput(none) == pytest.approx(6.0 / 9.0)   # its one slow step costs it too
+    with pytest.raises(ValueError, match="run without checkpoints"):
+        slowed.goodput(slowed)
     with pytest.raises(ValueError, match="wall_s must be a finite number > 0"):
         from labkit.interval import goodput
 
         goodput(1.0, 0.0)
+
+
+def test_a_run_whose_writer_slowed_every_step_and_finished_later_scores_the_lower_goodput():
+    """Counted at its own (slowed) median step the async run below would score 0.92 against sync's 0.75."""
+    none = _run("none", [1.0] * 6)
+    sync = _run("sync", [1.0] * 6, blocked_s=2.0)
+    async_ = _run("async", [1.5] * 6, blocked_s=0.3, drain_s=0.5)
+    assert async_.end_s > sync.end_s
+    assert async_.goodput(none) < sync.goodput(none)
+    own = async_.steps * async_.median_step_s / async_.end_s
+    assert own > sync.steps * sync.median_step_s / sync.end_s
+
+
+def test_the_timeline_runs_to_the_final_commit():
+    from labkit.checkpoint_stalls import timeline_spans
+
+    run = _run("async", [1.0] * 6, blocked_s=0.3, drain_s=0.5)
+    assert max((start + length) / 1e3 for _, start, length, _ in timeline_spans(run)) == pytest.approx(run.end_s)
 
 
 def test_saver_summary_is_the_worst_rank_after_the_set_up_call():

@@ -61,3 +61,20 @@ def test_restore_model_is_startup_plus_bytes_over_bandwidth():
 def test_bad_inputs_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_one_scenario_gives_a_saver_one_goodput_in_the_widget_the_figure_and_the_restore_model():
+    """Lab 7 shows the same async saver in a widget, a figure and the restore-cache model: one number."""
+    from labkit.interval import STARTUP_S, STORE_READ_BYTES_PER_S, Scenario, plan_text, plot_saver_plans
+
+    scenario = Scenario()
+    assert scenario.restart_s == pytest.approx(restore_time_s(scenario.state_gb * 1e9, STORE_READ_BYTES_PER_S,
+                                                              STARTUP_S))
+    per_gb = {"sync": 4.0, "async": 0.3}
+    plans = scenario.plans(per_gb)
+    text = plan_text(per_gb, state_gb=scenario.state_gb, mtbf_h=scenario.mtbf_s / 3600, restart_s=scenario.restart_s)
+    assert f"goodput {plans['async'].goodput:.4f}" in text.splitlines()[1]
+    fig = plot_saver_plans(per_gb, {"sync": "red", "async": "blue"}, scenario)
+    dots = [line for line in fig.axes[0].lines if len(line.get_xdata()) == 1]
+    assert [line.get_ydata()[0] for line in dots] == [plans["sync"].goodput, plans["async"].goodput]
+    assert plans["async"].goodput == plan_interval(0.3 * scenario.state_gb, scenario.mtbf_s, scenario.restart_s).goodput

@@ -278,6 +278,35 @@ SABOTAGES = [
         savers.AsyncSaver.save = _save_and_wait
     """, fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
              needs=('09780d08', 'plan-k', 'f13536ac')),
+    Sabotage("07_checkpoints_and_fusion", "goodput counted at each run's own step time", """
+        import time
+        from labkit import checkpoint_stalls as stalls
+        stalls.TrainingRun.goodput = lambda self, baseline: self.steps * self.median_step_s / self.end_s
+        # the condition it misleads under: a writer that takes the trainer's cores, so that every async step takes
+        # twice the slowest step without checkpoints (a slowdown added to each step kept the spread that other work
+        # on a busy machine gave the steps, the async run's median fell behind its mean, and the cell passed in
+        # 4 of 5 runs here)
+        _train, _step = stalls.train_with_checkpoints, stalls._train_step
+        _unsaved_s = []
+        def _timed_step(*args, **kwargs):
+            start = time.perf_counter()
+            loss = _step(*args, **kwargs)
+            _unsaved_s.append(time.perf_counter() - start)
+            return loss
+        def _slowed_step(*args, **kwargs):
+            start = time.perf_counter()
+            loss = _step(*args, **kwargs)
+            time.sleep(max(0.0, 2 * max(_unsaved_s) - (time.perf_counter() - start)))
+            return loss
+        def _train_beside_a_greedy_writer(kind, *args, **kwargs):
+            stalls._train_step = {"none": _timed_step, "async": _slowed_step}.get(kind, _step)
+            try:
+                return _train(kind, *args, **kwargs)
+            finally:
+                stalls._train_step = _step
+        stalls.train_with_checkpoints = _train_beside_a_greedy_writer
+    """, fails_at="goodput-07", says="the run that finishes later never scores the higher goodput",
+             needs=('09780d08', 'plan-k', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0

@@ -67,7 +67,7 @@ def test_every_lab_widget_renders_its_first_view(shown):
 
 
 def test_plan_text_orders_savers_by_their_cost():
-    text = interval.plan_text({"sync": 2.0, "async": 0.1}, state_gb=100, mtbf_h=3, restart_min=10)
+    text = interval.plan_text({"sync": 2.0, "async": 0.1}, state_gb=100, mtbf_h=3, restart_s=600)
     sync_line, async_line = text.splitlines()
     assert sync_line.split()[0] == "sync:" and async_line.split()[0] == "async:"
 
