@@ -132,9 +132,10 @@ def train_rank(
     log = EventLog(run_path / f"attempt-{attempt:03d}" / f"rank{rank}.jsonl")
     device = rank_device()
 
-    model, optimizer, start_step = _build_and_resume(run_path, features, hidden, lr, seed, device)
+    model, optimizer, start_step, restore_s = _build_and_resume(run_path, features, hidden, lr, seed, device)
     checkpointer = (AsyncSaver if saver == "async" else SyncSaver)(run_path / "checkpoints", keep=3) if rank == 0 else None
-    log.write("ready", restored_step=start_step, pid=os.getpid(), node=os.environ.get("LABKIT_NODE", ""))
+    log.write("ready", restored_step=start_step, restore_s=restore_s, pid=os.getpid(),
+              node=os.environ.get("LABKIT_NODE", ""))
 
     mine = {f.step: f for f in (Fault(**d) for d in faults) if f.rank == rank and not _fault_marker(run_path, f).exists()}
     straggling = False
@@ -204,8 +205,9 @@ def _train_step(model: Any, optimizer: Any, batch: tuple[Any, Any], device: Any,
 
 
 def _build_and_resume(run_path: Path, features: int, hidden: int, lr: float, seed: int,
-                      device: Any) -> tuple[Any, Any, int]:
-    """Model, optimizer and the step to resume at, from the newest verified checkpoint.
+                      device: Any) -> tuple[Any, Any, int, float]:
+    """Model, optimizer, the step to resume at, from the newest verified checkpoint, and the seconds that
+    finding, verifying and loading it took (a restart's reload, which Lab 8 reports apart).
 
     Every rank must land on the same step, or the ranks would train different models.
     """
@@ -217,13 +219,15 @@ def _build_and_resume(run_path: Path, features: int, hidden: int, lr: float, see
     torch.manual_seed(seed)
     model = make_model(features, hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    t_reload = time.time()
     latest = load_for_resume(run_path / "checkpoints")
     start_step = restore_training_state(latest.state, model, optimizer) if latest else 0
+    restore_s = time.time() - t_reload
     agreed = torch.tensor([start_step, -start_step], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     if agreed[0].item() != -agreed[1].item():
         raise RuntimeError(f"ranks restored different checkpoints (steps {-agreed[1].item()}..{agreed[0].item()})")
-    return model, optimizer, start_step
+    return model, optimizer, start_step, restore_s
 
 
 def _fire(run_path: Path, fault: Fault, log: EventLog) -> None:

@@ -179,3 +179,12 @@ def test_without_a_fabric_the_simulator_keeps_the_assumed_table_and_says_so():
     assert {scope: link.bandwidth_gbps for scope, link in links.items()} == {
         scope: link.bandwidth_gbps for scope, link in fleet_model.DEFAULT_LINKS.items()}
     assert all("assumed" in link.name for link in links.values())
+
+
+@pytest.mark.parametrize("measured", [True, False], ids=["measured links", "assumed table"])
+def test_links_get_slower_as_a_job_spreads(measured):
+    """Node > zone > cluster > fleet, whether the zone and cluster rates were measured or assumed."""
+    runs = [_run("in one zone", "zone", 0.04), _run("across zones", "cluster", 0.16)] if measured else []
+    links = pp.fleet_links(runs)
+    bandwidths = [links[scope].bandwidth_gbps for scope in fleet_model.SCOPES]
+    assert bandwidths == sorted(bandwidths, reverse=True)

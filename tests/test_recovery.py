@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -111,6 +112,47 @@ def test_simulated_goodput_matches_the_first_order_model_near_the_optimum():
                             factors=(1,), seed=2)[0]
     assert row.interval_s == pytest.approx(interval_s)
     assert row.simulated_goodput == pytest.approx(row.model_goodput, abs=0.002)
+
+
+def test_a_silent_rank_is_never_called_hung_before_the_heartbeat_timeout():
+    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
+    now = time.time()
+    _ready(watch, [0, 1], now - 20)
+    watch.feed(0, {"event": "computed", "t": now - 4.9, "step": 3})
+    assert heartbeat.silence_verdict(watch, 2, now, 20.0, 5.0, 60.0) is None
+    assert heartbeat.silence_verdict(watch, 2, now + 0.2, 20.2, 5.0, 60.0) is not None
+
+
+def _report_with_one_failure() -> recovery_report.RunReport:
+    """A kill at t=10 s detected at 10.5 s, relaunched at 11, rank 0 ready at 14 (2 s of it reloading), first step
+    done at 14.25; rank 0's records say the first attempt reached step 5 and the second redid steps 4-5."""
+    det = recovery_report.Detection(0, "exit", 0, "node0", 10.5, "killed", "kill-rank0-step5", 10.0)
+    attempts = [recovery_report.Attempt(0, ("node0", "node1"), 0.0, (1, 2), 0, 1.2),
+                recovery_report.Attempt(1, ("node2", "node1"), 11.0, (3, 4), 4, 14.25)]
+
+    def step(n, t, checkpoint_s=0.0):
+        return {"event": "step", "step": n, "t_start": t, "t_end": t + 0.2, "checkpoint_s": checkpoint_s}
+
+    records = {0: {0: [step(n, 1.0 + 0.2 * n, 0.01 if n == 3 else 0.0) for n in range(6)]},
+               1: {0: [{"event": "ready", "t": 14.0, "restored_step": 4, "restore_s": 2.0}, step(4, 14.05), step(5, 14.25)]}}
+    return recovery_report.RunReport(Path("/nonexistent"), 2, [], attempts, [det], ["node0"], 0.0, 15.0, records)
+
+
+def test_recovery_costs_split_a_failure_into_detection_teardown_relaunch_reload_and_first_step():
+    report = _report_with_one_failure()
+    costs = recovery_report.recovery_costs(report, recovery_report.breakdown(report))
+    assert (costs.detect_s, costs.teardown_s, costs.relaunch_s, costs.reload_s) == pytest.approx((0.5, 0.5, 1.0, 2.0))
+    assert costs.first_step_s == pytest.approx(0.25)
+    assert costs.restart_s == pytest.approx(14.25 - 10.0), "from the fault to the next completed step"
+    assert costs.lost_work_s == pytest.approx(0.4) and costs.checkpoint_cost_s == pytest.approx(0.01)
+
+
+def test_the_same_recovery_costs_give_a_high_goodput_when_failures_are_hours_apart():
+    costs = recovery_report.RecoveryCosts(4, 1.0, 0.5, 5.0, 0.5, 0.1, lost_work_s=0.4, checkpoint_cost_s=0.002)
+    rare, often = costs.at_mtbf(recovery_report.LLAMA3_MTBF_S), costs.at_mtbf(10.0)
+    assert rare.interval_s == pytest.approx(young_daly_interval_s(0.002, recovery_report.LLAMA3_MTBF_S))
+    assert rare.goodput > 0.99 > 0.5 > often.goodput
+    assert recovery_report.LLAMA3_MTBF_S / 3600 == pytest.approx(3.09, abs=0.01)
 
 
 def _alive(pids) -> list[int]:
