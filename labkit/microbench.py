@@ -145,37 +145,6 @@ def measure_bandwidth(device: torch.device | str, numel: int, dtype: str = "floa
     return BandwidthResult(result, numel, roofline.dtype_name(dtype))
 
 
-class MemoryRoof:
-    """The run's one memory roof: the best STREAM bandwidth any of its measurements reached.
-
-    Every experiment of Lab 3 measures it again, taking turns with its own points,
-    and all of them read this one figure: on a shared machine a roof timed once, at
-    a busy moment, sits below what the ops of a quieter moment move (a run here
-    printed 31.6 GB/s at the start while its sweep's roof, timed later, reached 56).
-    """
-
-    def __init__(self, numel: int, dtype: str = "float32", *, repeats: int = 5) -> None:
-        if numel < 1 or repeats < 1:
-            raise ValueError(f"numel and repeats must be >= 1, got {numel}, {repeats}")
-        self.numel, self.dtype, self.repeats = numel, dtype, repeats
-        self.best: BandwidthResult | None = None
-        self.measurements = 0
-
-    @property
-    def bytes_per_s(self) -> float:
-        if self.best is None:
-            raise ValueError("the memory roof has not been measured yet: call measure(device) first")
-        return self.best.peak_bytes_per_s
-
-    def measure(self, device: torch.device | str) -> float:
-        """One more STREAM measurement; the roof keeps the best so far and returns it."""
-        found = measure_bandwidth(device, self.numel, self.dtype, repeats=self.repeats)
-        self.measurements += 1
-        if self.best is None or found.peak_bytes_per_s > self.best.peak_bytes_per_s:
-            self.best = found
-        return self.bytes_per_s
-
-
 def measure_matmul_flops(device: torch.device | str, n: int, dtype: str = "float32", *, repeats: int = 5) -> float:
     """Best FLOP/s of square matmuls of size ``n/2`` and ``n``: the compute roof for ``dtype``.
 
@@ -202,18 +171,12 @@ class DevicePeaks:
     """This device's measured roofs."""
 
     device: str
-    roof: MemoryRoof
+    bandwidth: BandwidthResult
     matmul_flops_per_s: dict[str, float]
 
     @property
-    def bandwidth(self) -> BandwidthResult:
-        """The best STREAM measurement so far (later experiments may raise it)."""
-        assert self.roof.best is not None
-        return self.roof.best
-
-    @property
     def bandwidth_bytes_per_s(self) -> float:
-        return self.roof.bytes_per_s
+        return self.bandwidth.peak_bytes_per_s
 
     def ridge(self, dtype: str) -> float:
         return roofline.ridge_point(self.matmul_flops_per_s[roofline.dtype_name(dtype)], self.bandwidth_bytes_per_s)
@@ -226,15 +189,16 @@ def measure_peaks(device: torch.device | str | None = None, chosen: MicrobenchSi
     """Peak bandwidth and peak matmul FLOP/s per dtype, with a progress bar."""
     chosen = chosen or sizes()
     device = torch.device(device or profile().device)
-    roof = MemoryRoof(chosen.bandwidth_numel, repeats=chosen.repeats)
     steps = tqdm(["bandwidth", *chosen.matmul_n], desc="measuring peaks", leave=False)
+    bandwidth = None
     flops: dict[str, float] = {}
     for step in steps:
         if step == "bandwidth":
-            roof.measure(device)
+            bandwidth = measure_bandwidth(device, chosen.bandwidth_numel, repeats=chosen.repeats)
         else:
             flops[step] = measure_matmul_flops(device, chosen.matmul_n[step], step, repeats=chosen.repeats)
-    return DevicePeaks(str(device), roof, flops)
+    assert bandwidth is not None
+    return DevicePeaks(str(device), bandwidth, flops)
 
 
 @dataclass(frozen=True)
@@ -276,35 +240,21 @@ class OpSuite:
     ops: list[tuple[roofline.OpCost, Callable[[], object]]] = field(default_factory=list)
 
 
-ALLOCATING_ADD = "residual add (allocates)"
-"""``x + y`` as people write it: the same bytes as the residual add, plus a fresh output every call."""
-
-
 def transformer_ops(device: torch.device | str, chosen: MicrobenchSizes) -> OpSuite:
-    """Residual add, ReLU, softmax, LayerNorm at ``rows x cols``, and a sweep of square matmuls.
-
-    The memory-bound ops write into one preallocated output, so their time is the
-    bytes they move. A fresh output per call (``x + y``) also pays for new memory:
-    on a CPU every page is faulted in on first touch, several times the cost of the
-    add itself; :data:`ALLOCATING_ADD` times that form beside the preallocated one.
-    """
+    """Residual add, ReLU, softmax, LayerNorm at ``rows x cols``, and a sweep of square matmuls."""
     device = torch.device(device)
     dtype = roofline.dtype_name(chosen.op_dtype)
     tdtype = torch_dtype(dtype)
     rows, cols = chosen.op_numel_rows, chosen.op_numel_cols
     x = torch.randn(rows, cols, device=device).to(tdtype)
     y = torch.randn(rows, cols, device=device).to(tdtype)
-    out = torch.empty_like(x)
-    weight, bias = torch.ones(cols, device=device, dtype=tdtype), torch.zeros(cols, device=device, dtype=tdtype)
-    stats = [torch.empty_like(t) for t in torch.native_layer_norm(x, [cols], weight, bias, 1e-5)[1:]]  # dtypes vary by device
+    norm = torch.nn.LayerNorm(cols, device=device, dtype=tdtype)
     suite = OpSuite(device, dtype)
     suite.ops += [
-        (roofline.elementwise(rows * cols, dtype, inputs=2, name="residual add"), lambda: torch.add(x, y, out=out)),
-        (roofline.elementwise(rows * cols, dtype, name="relu"), lambda: torch.clamp(x, min=0, out=out)),
-        (roofline.softmax(rows, cols, dtype), lambda: torch.softmax(x, -1, out=out)),
-        (roofline.layer_norm(rows, cols, dtype), lambda: torch.ops.aten.native_layer_norm.out(
-            x, [cols], weight, bias, 1e-5, out0=out, out1=stats[0], out2=stats[1])),
-        (roofline.elementwise(rows * cols, dtype, inputs=2, name=ALLOCATING_ADD), lambda: x + y),
+        (roofline.elementwise(rows * cols, dtype, inputs=2, name="residual add"), lambda: x + y),
+        (roofline.elementwise(rows * cols, dtype, name="relu"), lambda: torch.relu(x)),
+        (roofline.softmax(rows, cols, dtype), lambda: torch.softmax(x, dim=-1)),
+        (roofline.layer_norm(rows, cols, dtype), lambda: norm(x)),
     ]
     for n in chosen.matmul_sweep:
         a = torch.randn(n, n, device=device).to(tdtype)
@@ -313,24 +263,13 @@ def transformer_ops(device: torch.device | str, chosen: MicrobenchSizes) -> OpSu
     return suite
 
 
-def measure_ops(device: torch.device | str | None = None, chosen: MicrobenchSizes | None = None,
-                roof: MemoryRoof | None = None, *, rounds: int = 2) -> list[OpMeasurement]:
-    """Each op's best time over ``rounds``; with a ``roof``, it is measured again in every round, in turn
-    with the ops, so they are compared with a roof that saw the same moments of a shared machine."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+def measure_ops(device: torch.device | str | None = None, chosen: MicrobenchSizes | None = None) -> list[OpMeasurement]:
     chosen = chosen or sizes()
     device = torch.device(device or profile().device)
     suite = transformer_ops(device, chosen)
-    best = [float("inf")] * len(suite.ops)
-    with torch.inference_mode(), tqdm(total=rounds * len(suite.ops), desc="timing ops", leave=False) as steps:
-        for _ in range(rounds):
-            if roof is not None:
-                roof.measure(device)
-            for i, (_, fn) in enumerate(suite.ops):
-                best[i] = min(best[i], best_ms(fn, device, repeats=chosen.repeats))
-                steps.update()
-    return [OpMeasurement(cost, ms) for (cost, _), ms in zip(suite.ops, best)]
+    with torch.inference_mode():
+        return [measure_op(cost, fn, device, repeats=chosen.repeats)
+                for cost, fn in tqdm(suite.ops, desc="timing ops", leave=False)]
 
 
 def memory_bound_ops(measurements: list[OpMeasurement], ridge: float) -> list[OpMeasurement]:
@@ -411,8 +350,7 @@ class IntensitySweep:
 
 
 def intensity_sweep(device: torch.device | str, dtype: str | None = None,
-                    chosen: MicrobenchSizes | None = None, *, rounds: int = 3,
-                    roof: MemoryRoof | None = None) -> IntensitySweep:
+                    chosen: MicrobenchSizes | None = None, *, rounds: int = 3) -> IntensitySweep:
     """``x [M, K] @ w [K, K]`` for rising K, with ``M * K`` fixed.
 
     Every call moves about the same bytes (x in, the result out) while its FLOPs
@@ -423,8 +361,7 @@ def intensity_sweep(device: torch.device | str, dtype: str | None = None,
     much later is what this measures.
 
     The two roofs are measured here, taking turns with the points round by round,
-    and each item keeps its best round; the memory roof is the run's one
-    :class:`MemoryRoof` when one is given. Roofs timed a minute earlier on a shared
+    and each item keeps its best round. Roofs timed a minute earlier on a shared
     machine can be ones no point of a busier minute reaches: a CI run found no
     point at half a compute roof measured before the sweep. The compute roof is a
     square matmul doing as many FLOPs as the widest point: beside a busy process,
@@ -437,15 +374,15 @@ def intensity_sweep(device: torch.device | str, dtype: str | None = None,
     chosen = chosen or sizes()
     dtype = roofline.dtype_name(dtype or chosen.op_dtype)
     device = torch.device(device)
-    roof = roof or MemoryRoof(chosen.bandwidth_numel, repeats=chosen.repeats)
     roof_n = square_size_for(_skinny_matmul_cost(chosen, max(chosen.intensity_widths), dtype).flops)
     best_point_ms = [float("inf")] * len(chosen.intensity_widths)
-    compute_roof = 0.0
+    compute_roof = bandwidth = 0.0
     steps = tqdm(total=rounds * (len(chosen.intensity_widths) + 1), desc="intensity sweep", leave=False)
     with steps:
         for _ in range(rounds):
             compute_roof = max(compute_roof, square_matmul_flops(device, roof_n, dtype, repeats=chosen.repeats))
-            roof.measure(device)
+            bandwidth = max(bandwidth, measure_bandwidth(device, chosen.bandwidth_numel,
+                                                         repeats=chosen.repeats).peak_bytes_per_s)
             steps.update()
             for i, width in enumerate(chosen.intensity_widths):
                 best_point_ms[i] = min(best_point_ms[i], _time_skinny_matmul(device, chosen, width, dtype))
@@ -454,7 +391,7 @@ def intensity_sweep(device: torch.device | str, dtype: str | None = None,
               for width, ms in zip(chosen.intensity_widths, best_point_ms)]
     # The compute roof is the best FLOP/s any measurement reached (as in measure_matmul_flops).
     peak = max(compute_roof, *(p.flops_per_s for p in points))
-    return IntensitySweep(points, peak, roof.bytes_per_s)
+    return IntensitySweep(points, peak, bandwidth)
 
 
 def square_size_for(flops: float) -> int:
