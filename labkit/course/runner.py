@@ -359,12 +359,12 @@ def _joined(run: LabRun, column: str, sep: str) -> str:
 
 
 def _notes(runs: list[LabRun]) -> list[str]:
-    """How each modelled or chosen figure came about, and speakers' figures of other quantities."""
+    """How figures were obtained (every modelled or chosen one says), and speakers' figures of other quantities."""
     basis = [f"- Lab {f.lab}, {f.name} ({f.kind}): {f.basis}" for run in runs for f in run.figures if f.basis]
     context = [f"- Lab {f.lab}: {f.context}" for run in runs for f in run.figures if f.context]
     lines = []
     if basis:
-        lines += ["", "How the modelled and chosen figures came about:", "", *basis]
+        lines += ["", "How figures were obtained, where the lab says (every modelled and chosen one does):", "", *basis]
     if context:
         lines += ["", "For context, what the speakers reported for *other* quantities (not comparable with a "
                   "figure above):", "", *context]
