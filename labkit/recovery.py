@@ -197,6 +197,8 @@ def _run_attempts(
         _stop_if_no_node_can_help(report, attempt, outcome, judge)
         cause, rank, detail, _ = outcome
         failed_node = _record_detection(report, attempt, outcome, nodes[assignment[rank]])
+        if not triage.node_at_fault(cause):
+            continue
         if not standby:
             raise RecoveryError(
                 f"{failed_node} (rank {rank}) failed ({cause}: {detail}) and no healthy spare is left; "
@@ -220,7 +222,8 @@ def _end_run(report: RunReport, all_procs: list[subprocess.Popen], run_id: str) 
 
 
 def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, str, float], node: str) -> str:
-    """Note the failure (matched to the injected fault that explains it, if any) and cordon its node."""
+    """Note the failure (matched to the injected fault that explains it, if any) and cordon its node if a
+    fresh node could help (:func:`labkit.triage.node_at_fault`)."""
     cause, rank, detail, t_detect = outcome
     fired = [r for r in report.records[attempt].get(rank, []) if r["event"] == "fault"]
     matched = next((r for r in fired if CAUSE_OF_FAULT[r["kind"]] == cause), None)
@@ -228,7 +231,8 @@ def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, 
         attempt, cause, rank, node, t_detect, detail,
         matched["fault_id"] if matched else None, matched["t"] if matched else None,
     ))
-    report.cordoned.append(node)
+    if triage.node_at_fault(cause):
+        report.cordoned.append(node)
     return node
 
 

@@ -75,7 +75,7 @@ class DetectionRow:
     attempt: int
     cause: str
     rank: int
-    node_cordoned: str
+    node_cordoned: str | None
     replaced_by: str | None
     fault_id: str | None
     detect_s: float | None
@@ -161,8 +161,9 @@ class RunReport:
         for det in self.detections:
             nxt = self.next_attempt(det)
             rows.append(DetectionRow(
-                attempt=det.attempt, cause=det.cause, rank=det.rank, node_cordoned=det.node,
-                replaced_by=nxt.nodes[det.rank] if nxt else None, fault_id=det.fault_id,
+                attempt=det.attempt, cause=det.cause, rank=det.rank,
+                node_cordoned=det.node if det.node in self.cordoned else None,
+                replaced_by=nxt.nodes[det.rank] if nxt and nxt.nodes[det.rank] != det.node else None, fault_id=det.fault_id,
                 detect_s=round(det.t_detect - det.t_fault, 2) if det.t_fault else None,
                 recovery_s=round(nxt.t_first_step_end - (det.t_fault or det.t_detect), 2)
                 if nxt and nxt.t_first_step_end else None,

@@ -73,6 +73,25 @@ def blame(failed: list[tuple[int, int]], errors: dict[int, dict]) -> tuple[int, 
     return min(failed, key=order)
 
 
+NODE_CAUSES = ("exit", "hang", "straggler")
+"""Detections that may come from the node: a rank that died, hung or slowed down."""
+
+
+def node_at_fault(cause: str) -> bool:
+    """May a fresh node help with a failure detected as ``cause``? Then cordon the node and move to a spare.
+
+    A non-finite loss is the program's: the same weights and the same batch give
+    the same NaN on any node (a real fleet sees silent data corruption too, but
+    that is the rare case, found by re-running the step elsewhere). The run
+    resumes from the last checkpoint on the same nodes, and none is cordoned.
+    """
+    if cause == "nonfinite":
+        return False
+    if cause in NODE_CAUSES:
+        return True
+    raise ValueError(f"cause must be one of {(*NODE_CAUSES, 'nonfinite')}, got {cause!r}")
+
+
 @dataclass
 class RetryJudge:
     """Decides, failure after failure, whether a fresh node could help.

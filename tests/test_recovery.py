@@ -335,6 +335,13 @@ def test_a_failure_repeated_before_a_first_step_on_a_fresh_node_stops_the_run():
         "exit", 0, {"origin": triage.PROGRAM, "error_type": "TypeError", "message": "typo"}, completed_a_step=True)
 
 
+def test_a_nan_is_the_programs_and_cordons_no_node_while_a_death_hang_or_straggler_may_be_the_nodes():
+    assert not triage.node_at_fault("nonfinite")
+    assert all(triage.node_at_fault(cause) for cause in ("exit", "hang", "straggler"))
+    with pytest.raises(ValueError, match="cause must be one of"):
+        triage.node_at_fault("cosmic ray")
+
+
 def _ready(watch: heartbeat.HeartbeatWatch, ranks, t: float) -> None:
     for rank in ranks:
         watch.feed(rank, {"event": "ready", "t": t, "restored_step": 0})

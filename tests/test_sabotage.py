@@ -299,6 +299,11 @@ SABOTAGES = [
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
     """, fails_at="46f16982", says="resumed == uninterrupted",
              needs=('09780d08', '455d5cf1')),
+    Sabotage("08_recovery_and_placement", "a NaN loss blamed on the node", """
+        from labkit import triage
+        triage.node_at_fault = lambda cause: True
+    """, fails_at="71cc3d7e", says="a NaN is the program's: the ranks restart on the same nodes",
+             needs=('48b1b338', 'fc74298f', '67abeab2', 'dce1689b')),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
