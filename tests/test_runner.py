@@ -157,16 +157,17 @@ def test_shell_waits_are_sliced_so_a_missed_wakeup_costs_one_slice(monkeypatch):
 def test_a_teacher_merges_learners_reports_into_one_table_and_plot(tmp_path):
     paths = []
     for learner, busy, passed in (("ana", 0.31, True), ("ben", 0.82, False)):
-        figure = results.Figure(1, "busy fraction, file path", busy, "")
-        runs = [LabRun(LABS[0], passed, 40.0, figures=[figure]), LabRun(LABS[1], True, 50.0)]
+        figures = [results.Figure(1, "busy fraction, file path", busy, ""),
+                   results.Figure(1, "goodput", busy / 2, "", "modelled", basis="a model")]
+        runs = [LabRun(LABS[0], passed, 40.0, figures=figures), LabRun(LABS[1], True, 50.0)]
         folder = tmp_path / learner
         folder.mkdir()
         write_report(runs, folder, learner=learner)
         paths.append(folder / "report.json")
     assert cli.main(["merge", *map(str, paths), "--out", str(tmp_path / "class")]) == 0
     table = (tmp_path / "class" / "class.md").read_text()
-    assert "| Lab 1: busy fraction, file path |" in table
-    assert "| ana |" in table and "| 2 of 2 | 0.31 |" in table and "| 1 of 2 | 0.82 |" in table
+    assert "| Lab 1: busy fraction, file path | Lab 1: goodput [modelled] |" in table
+    assert "| ana |" in table and "| 2 of 2 | 0.31 | 0.155 |" in table and "| 1 of 2 | 0.82 | 0.41 |" in table
     assert (tmp_path / "class" / "class.png").stat().st_size > 1000
 
 
