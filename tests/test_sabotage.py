@@ -194,6 +194,12 @@ SABOTAGES = [
         store_race._batches = _one_at_a_time
     """, fails_at="race-02", says="the engine delivers more images/s than the loader",
              needs=("ea9b2598", "ec76baf4", "9134b9d0"), trim=TRIM_LAB2_SHORT_RACE),
+    Sabotage("02_data_engine", "the decode counts the JPEG's bytes instead of decoding it", """
+        import os
+        from labkit import catalog
+        catalog.decoded_bytes = lambda paths: sum(os.path.getsize(p) for p in paths)
+    """, fails_at="8b8492e9", says="the catalog's sizes describe the decoded images",
+             needs=("ea9b2598", "ec76baf4")),
     Sabotage("03_memory_movement", "the fused chain runs op by op", """
         import torch
         from labkit import fusion
