@@ -115,6 +115,11 @@ class Diagnosis:
         self._stack.callback(self._stop_profiler)
         return self
 
+    @property
+    def steps_seen(self) -> int:
+        """Optimizer steps the hook has seen so far."""
+        return len(self._marks)
+
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(EnoughSteps), diagnosis:
         runpy.run_path(str(script), run_name="__main__")
     if diagnosis.result is None:
-        print(f"labkit.diagnose: {script} ended after {max(0, len(diagnosis._marks))} optimizer steps; it needs "
+        print(f"labkit.diagnose: {script} ended after {diagnosis.steps_seen} optimizer steps; it needs "
               f"{args.baseline_steps + args.warmup + args.steps} (lower --steps/--warmup or train longer)",
               file=sys.stderr)
         return 3

@@ -225,11 +225,3 @@ def _bytes_of(args: dict) -> float:
         if isinstance(shape, list) and shape and all(isinstance(d, int) for d in shape):
             total += math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
     return total
-
-
-def average(ranks: list[RankBreakdown]) -> dict[str, float]:
-    """Every rank's shares, weighted by its profiled time."""
-    if not ranks:
-        raise ValueError("no rank traces to average")
-    total = sum(r.step_ms * len(r.steps) for r in ranks)
-    return {c: sum(r.shares()[c] * r.step_ms * len(r.steps) for r in ranks) / total for c in CATEGORIES}
