@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit import accelerator as accel
-from labkit import ladder, loaders
+from labkit import decode_overlap, ladder, loaders
 from labkit.accelerator import StandInAccelerator
 from labkit.meter import MeterSummary
 from labkit.objectstore import HttpFetch, ObjectStore
@@ -119,18 +119,18 @@ def test_the_ladder_measures_each_rung(small_dataset):
 
 
 def test_decode_bound_busy_fraction_is_supply_over_demand():
-    assert ladder.loader_bound_busy_fraction(8000, 1000, 2) == 0.25
-    assert ladder.loader_bound_busy_fraction(1000, 1000, 4) == 1.0
-    assert ladder.loader_bound_busy_fraction(1000, 1000, 0) == 0.5
-    assert ladder.workers_needed(8000, 1000, target_busy=0.95) == 8
+    assert decode_overlap.loader_bound_busy_fraction(8000, 1000, 2) == 0.25
+    assert decode_overlap.loader_bound_busy_fraction(1000, 1000, 4) == 1.0
+    assert decode_overlap.loader_bound_busy_fraction(1000, 1000, 0) == 0.5
+    assert decode_overlap.workers_needed(8000, 1000, target_busy=0.95) == 8
     with pytest.raises(ValueError, match="target_busy must be in"):
-        ladder.workers_needed(8000, 1000, target_busy=0)
+        decode_overlap.workers_needed(8000, 1000, target_busy=0)
     with pytest.raises(ValueError, match="workers must be >= 0"):
-        ladder.loader_bound_busy_fraction(8000, 1000, -1)
+        decode_overlap.loader_bound_busy_fraction(8000, 1000, -1)
 
 
 def test_loader_explorer_shows_the_pure_functions_answer():
-    current = ladder.loader_explorer(1000)
+    current = decode_overlap.loader_explorer(1000)
     assert "busy fraction: 0.25" in current() and "needed for 0.95: 8 " in current()
 
 
@@ -212,10 +212,10 @@ def test_workers_hide_compute_behind_decoding_by_the_meters_arithmetic():
                             busy_fraction=0.5,
                             items_per_s=images_per_s, step_ms=1, load_avg=0)
     # decode 1 ms + compute 0.5 ms per image in series; overlapped, 1 ms per image
-    assert ladder.hidden_compute_fraction(summary(1000 / 1.5, 500), summary(1000, 500)) == pytest.approx(1.0)
-    assert ladder.hidden_compute_fraction(summary(1000, 500), summary(1000, 500)) == pytest.approx(0.0)
+    assert decode_overlap.hidden_compute_fraction(summary(1000 / 1.5, 500), summary(1000, 500)) == pytest.approx(1.0)
+    assert decode_overlap.hidden_compute_fraction(summary(1000, 500), summary(1000, 500)) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="measured items and compute time"):
-        ladder.hidden_compute_fraction(summary(1000, 500), summary(1000, 0))
+        decode_overlap.hidden_compute_fraction(summary(1000, 500), summary(1000, 0))
 
 
 def test_the_remote_model_is_littles_law():
@@ -257,12 +257,12 @@ def test_compute_share_is_the_accelerators_part_of_an_images_time_without_worker
                             busy_fraction=0.5, items_per_s=images_per_s, step_ms=1, load_avg=0)
 
     # The H200 machine's 0-worker rung: 1066 images/s, 0.03 ms of compute an image.
-    assert ladder.compute_share(serial(1066, 30)) == pytest.approx(0.032, abs=0.001)
-    assert ladder.compute_share(serial(1066, 30)) < ladder.HIDDEN_SHARE_RESOLVABLE
+    assert decode_overlap.compute_share(serial(1066, 30)) == pytest.approx(0.032, abs=0.001)
+    assert decode_overlap.compute_share(serial(1066, 30)) < decode_overlap.HIDDEN_SHARE_RESOLVABLE
     # A CPU-sized accelerator: 0.33 ms of a 1.33 ms image.
-    assert ladder.compute_share(serial(750, 333)) == pytest.approx(0.25, abs=0.01)
+    assert decode_overlap.compute_share(serial(750, 333)) == pytest.approx(0.25, abs=0.01)
     with pytest.raises(ValueError, match="serial needs measured items"):
-        ladder.compute_share(serial(0, 1))
+        decode_overlap.compute_share(serial(0, 1))
 
 
 def test_the_sizing_implies_a_third_busy_only_where_the_model_is_sized_to_the_loader(monkeypatch):

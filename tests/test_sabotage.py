@@ -137,7 +137,7 @@ SABOTAGES = [
         _file_loader = loaders.file_loader
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
-             needs=("cell-01", "cell-05", "cell-03", "cell-22"), trim=TRIM_LAB1_ONE_DRAFT_ROUND),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-22"), trim=TRIM_LAB1_ONE_DRAFT_ROUND),
     Sabotage("01_input_pipeline", "the loader's workers take turns on the store, one GET at a time", """
         import multiprocessing
         from labkit import objectstore
