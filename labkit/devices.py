@@ -39,6 +39,34 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def others_busy_cores(window_s: float = 1.0) -> float | None:
+    """Cores other programs keep busy: the machine's busy time while this process sleeps ``window_s``.
+
+    The load average lags a minute behind and counts waiting processes too; this
+    reads ``/proc/stat`` before and after a short sleep, so it says how many of
+    the machine's cores were taken right now, by anything but this (sleeping)
+    process. None where ``/proc/stat`` is missing (not Linux).
+    """
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(field) for field in stat.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]   # idle, iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    try:
+        busy_before, total_before = busy_and_total()
+        time.sleep(window_s)
+        busy_after, total_after = busy_and_total()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total_after <= total_before:
+        return 0.0
+    return (busy_after - busy_before) / (total_after - total_before) * (os.cpu_count() or 1)
+
+
 @dataclass
 class Stopwatch:
     """``with Stopwatch(device) as sw: ...`` then ``sw.ms``; synchronises on entry and exit."""

@@ -1,5 +1,7 @@
 """Lab 1's loaders: same batches from every rung, deterministic, and honest emulations."""
 
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -270,3 +272,40 @@ def test_the_sizing_implies_a_third_busy_only_where_the_model_is_sized_to_the_lo
     assert ladder.busy_the_sizing_implies() == pytest.approx(1 / ladder.ACCELERATOR_OVER_LOADER)
     monkeypatch.setattr(accel, "split_cores", lambda: None)
     assert ladder.busy_the_sizing_implies() is None, "the sleeping stand-in is not sized to the loader"
+
+
+@pytest.fixture
+def spinner():
+    """Another program holding one core, as on a learner's busy laptop."""
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.5)
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_the_cores_another_program_holds_are_measured(spinner):
+    from labkit.devices import others_busy_cores
+    busy = others_busy_cores(0.5)
+    if busy is None:
+        pytest.skip("this machine has no /proc/stat to read other programs' load from")
+    assert busy >= 0.7, f"a process spinning on a core: {busy:.2f} cores busy"
+
+
+@pytest.mark.slow
+def test_lab1s_aside_beside_a_busy_program_says_so_instead_of_failing(spinner):
+    """Run beside a spinning process, Lab 1's aside failed "...yet it trains slower than from RAM"."""
+    from tests.test_sabotage import TRIM_LAB1_STAND_IN, chosen_cells, execute
+    short_aside = """
+        from labkit import ladder
+        _aside = ladder.Ladder.model_on_the_loaders_cpu
+        ladder.Ladder.model_on_the_loaders_cpu = lambda self, workers, num_images: _aside(
+            self, workers, num_images=256, rounds=1)
+    """
+    nb = chosen_cells("01_input_pipeline", textwrap.dedent(TRIM_LAB1_STAND_IN) + textwrap.dedent(short_aside),
+                      "cell-34", needs=("cell-01", "cell-05", "cell-03", "cell-33"))
+    execute(nb, {})
+    printed = "".join(out.get("text", "") for out in nb.cells[-1].get("outputs", []))
+    assert "not asserted: other programs kept" in printed, printed

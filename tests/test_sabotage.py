@@ -128,6 +128,11 @@ SABOTAGES = [
         ladder.Ladder.transformed_cache = _cache_that_decodes
     """, fails_at="cell-17b", says="removes the conversion bottleneck",
              needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-17")),
+    Sabotage("01_input_pipeline", "the transformed cache is read from the page cache, not the disk", """
+        from labkit import pagecache
+        pagecache.drop = lambda path: True
+    """, fails_at="cell-17b", says="each epoch reads the cache file from the disk",
+             needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
@@ -372,12 +377,9 @@ def _sitecustomize(folder: Path, code: str) -> dict[str, str]:
     return {"PYTHONPATH": path}
 
 
-def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str],
-              needs: tuple[str, ...] = ()) -> tuple[str | None, str]:
-    """Run ``first_cell``, then ``needs`` (or every cell before ``last_cell_id``), then that cell.
-
-    Returns the id of the first cell that failed (None if none did) and the error text.
-    """
+def chosen_cells(notebook: str, first_cell: str, last_cell_id: str,
+                 needs: tuple[str, ...] = ()) -> nbformat.NotebookNode:
+    """The notebook cut to ``first_cell``, then ``needs`` (or every cell before ``last_cell_id``), then that cell."""
     nb = nbformat.read(notebooks_dir() / f"{notebook}.ipynb", as_version=4)
     ids = [cell.get("id") for cell in nb.cells]
     missing = [cell_id for cell_id in (*needs, last_cell_id) if cell_id not in ids]
@@ -387,18 +389,34 @@ def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, 
     if needs:
         chosen = [cell for cell in chosen if cell.get("id") in {*needs, last_cell_id}]
     nb.cells = [nbformat.v4.new_code_cell(first_cell)] + chosen
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, env: dict[str, str]) -> None:
+    """Run ``nb`` in a fresh kernel with ``env`` added, exercises unanswered; raises CellExecutionError."""
     saved = dict(os.environ)
     os.environ.update({"LABKIT_SOLUTIONS": "0", **env})   # exercise cells only print what they wait for
     try:
         NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
                        resources={"metadata": {"path": str(notebooks_dir())}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str],
+              needs: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """Run ``first_cell``, then ``needs`` (or every cell before ``last_cell_id``), then that cell.
+
+    Returns the id of the first cell that failed (None if none did) and the error text.
+    """
+    nb = chosen_cells(notebook, first_cell, last_cell_id, needs)
+    try:
+        execute(nb, env)
     except CellExecutionError as exc:
         failed = next(cell for cell in nb.cells
                       if any(out.get("output_type") == "error" for out in cell.get("outputs", [])))
         return failed.get("id"), str(exc)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return None, ""
 
 
