@@ -94,13 +94,15 @@ def main() -> int:
     dataengine.use_native_runner()
     runs = {}
     with ObjectStore(ds.root, first_byte_ms=args.first_byte_ms) as store:
-        for loader, label in zip(store_race.LOADERS, (f"(a) PIL DataLoader, {args.workers} workers",
-                                                      "(b) Daft download + decode + resize")):
+        labels_of = {"PIL DataLoader": f"(a) PIL DataLoader, {args.workers} workers",
+                     "PIL DataLoader + GET threads": f"(b) the same, {store_race.GET_THREADS} GET threads a worker",
+                     "Daft pipeline": "(c) Daft download + decode + resize"}
+        for loader, label in labels_of.items():
             with Measured(store) as measured:
                 runs[loader] = store_race.measure(store, loader, paths, labels, workers=args.workers,
                                                   image_px=args.image_px, batch_size=args.batch_size)
             print(measured.line(label, runs[loader].images, "images") + f", {runs[loader].connections} connections")
-    pil_images, daft_images = (runs[loader].images for loader in store_race.LOADERS)
+    pil_images, daft_images = (runs[loader].images for loader in ("PIL DataLoader", "Daft pipeline"))
     ratio = runs["Daft pipeline"].images_per_s / runs["PIL DataLoader"].images_per_s
     met = ratio >= args.target and pil_images == daft_images == len(paths)
     print(f"Daft / PIL images/s: {ratio:.2f}x (target >= {args.target:g}x, both {len(paths)} images): "

@@ -118,18 +118,42 @@ def shuffled_order(num_items: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class _DecodedImages(TorchDataset):
-    """Fetch bytes with ``fetch(i)``, decode, resize, flip: the conversion on every step."""
+    """Fetch bytes with ``fetch(i)``, decode, resize, flip: the conversion on every step.
+
+    With ``get_threads`` > 1 a worker fetches a batch's objects from that many
+    threads and decodes each as it arrives, so it keeps ``get_threads`` requests in
+    flight instead of one: against a store's first-byte latency, the number that
+    bounds its rate (Little's law).
+    """
 
     def __init__(self, fetch: Callable[[int], bytes], labels: Sequence[int], image_px: int,
-                 *, draft: bool, augment: bool, seed: int, epoch: int = 0):
+                 *, draft: bool, augment: bool, seed: int, epoch: int = 0, get_threads: int = 1):
+        if get_threads < 1:
+            raise ValueError(f"get_threads must be >= 1, got {get_threads}")
         self.fetch, self.labels, self.image_px = fetch, list(labels), image_px
         self.draft, self.augment, self.seed, self.epoch = draft, augment, seed, epoch
+        self.get_threads = get_threads
+        self._pool: ThreadPoolExecutor | None = None   # made in the process that uses it, never pickled
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        pixels = decode(self.fetch(index), self.image_px, draft=self.draft)
+        return self._sample(index, self.fetch(index))
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        """A batch (the DataLoader asks for it whole): its GETs from ``get_threads`` threads."""
+        if self.get_threads == 1:
+            return [self[index] for index in indices]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.get_threads, thread_name_prefix="labkit-get")
+        return [self._sample(index, blob) for index, blob in zip(indices, self._pool.map(self.fetch, indices))]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pool": None}
+
+    def _sample(self, index: int, blob: bytes) -> tuple[torch.Tensor, int]:
+        pixels = decode(blob, self.image_px, draft=self.draft)
         if self.augment and flip_decision(self.seed, self.epoch, index):
             pixels = pixels[:, ::-1]
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))), self.labels[index]
@@ -154,9 +178,10 @@ def _check_sizes(batch_size: int, num_workers: int) -> None:
 
 def _decoded_loader(fetch: Callable[[int], bytes], labels: Sequence[int], *, batch_size: int, image_px: int,
                     num_workers: int, seed: int, epoch: int, augment: bool, draft: bool,
-                    prefetch_factor: int) -> DataLoader:
+                    prefetch_factor: int, get_threads: int = 1) -> DataLoader:
     _check_sizes(batch_size, num_workers)
-    images = _DecodedImages(fetch, labels, image_px, draft=draft, augment=augment, seed=seed, epoch=epoch)
+    images = _DecodedImages(fetch, labels, image_px, draft=draft, augment=augment, seed=seed, epoch=epoch,
+                            get_threads=get_threads)
     return DataLoader(
         images,
         batch_size=batch_size,
@@ -211,7 +236,7 @@ class RawCache:
 
 def _loader_defaults(kwargs: dict) -> dict:
     defaults = dict(batch_size=64, image_px=32, num_workers=2, seed=0, epoch=0, augment=True,
-                    draft=False, prefetch_factor=2)
+                    draft=False, prefetch_factor=2, get_threads=1)
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"unknown loader arguments {sorted(unknown)}; valid: {sorted(defaults)}")

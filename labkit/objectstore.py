@@ -84,6 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         """GET and HEAD; a HEAD gets the same status and headers, without the body."""
+        self.arrived_s = time.time()   # the log's time_s - arrived_s: how long the request waited for its answer
         if self.server.first_byte_s:
             time.sleep(self.server.first_byte_s)
         key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
@@ -116,7 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in {"Content-Length": str(length), **headers}.items():
             self.send_header(name, value)
         self.server.record(method=self.command, path=self.path, range=self.headers.get("Range"), status=status,
-                           bytes=length if self.command == "GET" else 0, client_port=self.client_address[1])
+                           bytes=length if self.command == "GET" else 0, client_port=self.client_address[1],
+                           arrived_s=self.arrived_s)
         self.end_headers()
 
     do_HEAD = do_GET

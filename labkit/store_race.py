@@ -4,12 +4,15 @@ A DataLoader worker fetches an object, decodes it, then fetches the next: one
 request in flight per worker, so at a first-byte latency of L ms the loader
 cannot beat ``workers / L`` images/s however fast it decodes. Daft's
 ``download()`` keeps many requests in flight from native threads, so the latency
-overlaps and what is left is the decode. :func:`race` measures both loaders with
-the store's latency off and on, taking turns, and reads from the server's log how
-many requests each made and over how many connections (client ports).
+overlaps and what is left is the decode. The same DataLoader with
+:data:`GET_THREADS` threads of GETs in each worker keeps as many in flight as
+Daft does: :func:`race` measures the three with the store's latency off and on,
+taking turns, and reads from the server's log how many requests each made, over
+how many connections (client ports), and how many were in flight on average
+(each request's wait from arrival to answer, summed, over the pass: Little's L).
 
 The latency is an EMULATED condition (:mod:`labkit.objectstore`); the images/s,
-the requests and the connections are measured.
+the requests, the connections and the requests in flight are measured.
 """
 
 from __future__ import annotations
@@ -21,11 +24,20 @@ from typing import Iterator, Sequence
 
 import daft
 import torch
+from matplotlib.figure import Figure
 
-from labkit import dataengine, loaders, representations
+from labkit import dataengine, loaders, plots, representations
 from labkit.objectstore import HttpFetch, ObjectStore
 
-LOADERS = ("PIL DataLoader", "Daft pipeline")
+LOADERS = ("PIL DataLoader", "PIL DataLoader + GET threads", "Daft pipeline")
+
+GET_THREADS = 8
+"""GET threads per DataLoader worker in the race's threaded loader.
+
+To stay decode-bound a worker needs about latency / decode requests in flight
+(10 ms over ~1.6 ms to decode an image here: 6-7); 8 leaves some over. Daft's
+native threads kept about 9 in flight from the whole process in the same race.
+"""
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ class StoreRun:
     """GETs the server logged during the pass."""
     connections: int
     """Distinct client ports among those GETs: connections the loader opened."""
+    in_flight: float
+    """Requests the server held at once on average: each GET's wait for its answer, summed, over the pass."""
 
     @property
     def images_per_s(self) -> float:
@@ -48,7 +62,13 @@ class StoreRun:
     def as_row(self) -> dict[str, object]:
         return {"loader": self.loader, "latency_ms": self.latency_ms, "images": self.images,
                 "images_per_s": round(self.images_per_s), "requests": self.requests,
-                "connections": self.connections}
+                "connections": self.connections, "in_flight": round(self.in_flight, 1)}
+
+    def little_bound(self) -> float:
+        """The most images/s its requests in flight allow when each waits ``latency_ms`` (Little's law)."""
+        if self.latency_ms <= 0:
+            raise ValueError("with no latency a request costs no time: no bound")
+        return self.in_flight * 1e3 / self.latency_ms
 
 
 @dataclass(frozen=True)
@@ -62,10 +82,9 @@ class Race:
     def run(self, loader: str, latency_ms: float) -> StoreRun:
         return self.runs[(loader, latency_ms)]
 
-    def speedup(self) -> float:
-        """Daft's images/s over the DataLoader's, both at ``latency_ms``."""
-        return (self.run("Daft pipeline", self.latency_ms).images_per_s
-                / self.run("PIL DataLoader", self.latency_ms).images_per_s)
+    def speedup(self, loader: str = "Daft pipeline", over: str = "PIL DataLoader") -> float:
+        """``loader``'s images/s over ``over``'s, both at ``latency_ms``."""
+        return self.run(loader, self.latency_ms).images_per_s / self.run(over, self.latency_ms).images_per_s
 
     def kept(self, loader: str) -> float:
         """The share of its no-latency images/s that ``loader`` keeps at ``latency_ms``."""
@@ -75,12 +94,41 @@ class Race:
         """The most images/s ``workers`` requests in flight can bring at ``latency_ms`` (Little's law)."""
         return self.workers * 1e3 / self.latency_ms
 
+    def plot(self, title: str) -> Figure:
+        """Left: each loader's images/s with the latency off and on. Right: images/s against requests in flight."""
+        colours = dict(zip(LOADERS, (plots.BASELINE, plots.GOOD, plots.FIX)))
+        fig, (rates, little) = plots.figure(2, width=12, height=4)
+        plots.grouped_bars(rates, ["no latency", f"{self.latency_ms:g} ms first byte"],
+                           {loader: [self.run(loader, ms).images_per_s for ms in (0.0, self.latency_ms)]
+                            for loader in LOADERS}, colors=list(colours.values()), fmt="{:.0f}",
+                           ylabel="images/s", title=title)
+        rates.set_ylim(0, 1.4 * max(run.images_per_s for run in self.runs.values()))
+        rates.legend(fontsize=8, loc="upper center", ncol=2)
+        runs = [self.run(loader, self.latency_ms) for loader in LOADERS]
+        most = 1.2 * max(run.in_flight for run in runs)
+        little.plot([0, most], [0, most * 1e3 / self.latency_ms], "k--",
+                    label=f"modelled: in flight / {self.latency_ms:g} ms (Little's law)")
+        decode_bound = max(self.run(loader, 0.0).images_per_s for loader in LOADERS)
+        little.axhline(decode_bound, color=plots.BASELINE, linestyle=":",
+                       label="measured: fastest rate with no latency (the decode)")
+        for run in runs:
+            little.plot(run.in_flight, run.images_per_s, "o", markersize=9, color=colours[run.loader],
+                        label=f"measured: {run.loader}")
+        little.set_xlabel("requests in flight at the store (mean, from its log)")
+        little.set_ylabel("images/s")
+        little.set_ylim(0, 1.3 * decode_bound)
+        little.set_title(f"at {self.latency_ms:g} ms first byte")
+        little.legend(fontsize=8)
+        fig.tight_layout()
+        return fig
+
 
 def _batches(loader: str, urls: list[str], labels: Sequence[int], *, workers: int, image_px: int,
              batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if loader == "PIL DataLoader":
+    if loader != "Daft pipeline":
+        threads = GET_THREADS if loader == "PIL DataLoader + GET threads" else 1
         return iter(loaders.fetched_loader(HttpFetch(urls), labels, batch_size=batch_size, image_px=image_px,
-                                           num_workers=workers, augment=False))
+                                           num_workers=workers, augment=False, get_threads=threads))
     frame = daft.from_pydict({"path": urls, "label": list(labels)})
     return representations.file_batches(frame, image_px, batch_size)
 
@@ -96,8 +144,9 @@ def measure(store: ObjectStore, loader: str, paths: Sequence[str], labels: Seque
                                           image_px=image_px, batch_size=batch_size))
     seconds = time.perf_counter() - start
     served = [record for record in store.log()[before:] if record["method"] == "GET"]
+    waited_s = sum(record["time_s"] - record["arrived_s"] for record in served)
     return StoreRun(loader, store.first_byte_ms, images, seconds, len(served),
-                    len({record["client_port"] for record in served}))
+                    len({record["client_port"] for record in served}), waited_s / seconds)
 
 
 def race(root: str | Path, paths: Sequence[str], labels: Sequence[int], *, latency_ms: float, workers: int,

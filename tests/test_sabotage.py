@@ -197,8 +197,18 @@ SABOTAGES = [
             return dataengine.torch_batches(
                 dataengine.decode_pipeline(frame, sizes["image_px"], bytes_column="jpeg"), sizes["batch_size"])
         store_race._batches = _one_at_a_time
-    """, fails_at="race-02", says="the engine delivers more images/s than the loader",
-             needs=("ea9b2598", "ec76baf4", "9134b9d0"), trim=TRIM_LAB2_SHORT_RACE),
+    """, fails_at="race-asserts-02", says="the engine delivers more images/s than the loader",
+             needs=("ea9b2598", "ec76baf4", "9134b9d0", "race-02"), trim=TRIM_LAB2_SHORT_RACE),
+    Sabotage("02_data_engine", "the loader's GET threads take turns, one request at a time", """
+        import threading
+        from labkit import objectstore
+        _get, _one_at_a_time = objectstore.HttpFetch.get, threading.Lock()   # each worker's threads share it
+        def _get_in_turn(self, url, byte_range=None):
+            with _one_at_a_time:
+                return _get(self, url, byte_range)
+        objectstore.HttpFetch.get = _get_in_turn
+    """, fails_at="race-asserts-02", says="GET threads keep more requests in flight",
+             needs=("ea9b2598", "ec76baf4", "9134b9d0", "race-02"), trim=TRIM_LAB2_SHORT_RACE),
     Sabotage("02_data_engine", "the decode counts the JPEG's bytes instead of decoding it", """
         import os
         from labkit import catalog

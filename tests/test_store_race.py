@@ -19,9 +19,14 @@ def test_both_loaders_at_both_latencies_one_get_per_image_counted_by_the_server(
     for run in race.runs.values():
         assert run.images == run.requests == 24 and run.seconds > 0
     assert race.run("PIL DataLoader", 5).connections == 1
+    assert race.run("PIL DataLoader + GET threads", 5).connections == store_race.GET_THREADS
     assert race.little_bound() == 200
     # One worker, one request in flight: the loader cannot beat 1 / 5 ms.
     assert race.run("PIL DataLoader", 5).images_per_s <= race.little_bound()
+    for loader in store_race.LOADERS:   # what the server held at once bounds what it answers
+        run = race.run(loader, 5)
+        assert run.images_per_s <= 1.05 * run.little_bound(), run.as_row()
+    assert race.run("PIL DataLoader", 5).in_flight <= 1.05
 
 
 def test_bad_input_names_the_argument(images):
