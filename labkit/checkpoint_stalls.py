@@ -65,7 +65,7 @@ def make_model(state_mb: float, *, device: str | torch.device = "cpu", seed: int
     return model, optimizer
 
 
-def _train_step(model, optimizer, position: int, device, batch: int = 32) -> float:
+def train_step(model, optimizer, position: int, device, batch: int = 32) -> float:
     gen = torch.Generator().manual_seed(position)
     x = torch.randn(batch, _WIDTH, generator=gen).to(device)
     target = torch.randn(batch, _WIDTH, generator=gen).to(device)
@@ -112,7 +112,7 @@ def plan_sizes(sizes: StallSizes, directory: str | Path, *, device: str | torch.
     device = torch.device(device)
     model, optimizer = make_model(sizes.state_mb, device=device)
     positions = itertools.count()
-    step_s = statistics.median(time_ms(lambda: _train_step(model, optimizer, next(positions), device),
+    step_s = statistics.median(time_ms(lambda: train_step(model, optimizer, next(positions), device),
                                        device=device, warmup=1, repeats=steps)) / 1e3
     with savers.SyncSaver(directory, keep=1) as saver:
         write_s = saver.save(1, checkpoint.capture_training_state(model, optimizer, loader_position=1)).total_s
@@ -229,7 +229,7 @@ def train_with_checkpoints(
 
     device = torch.device(device)
     model, optimizer = make_model(state_mb, device=device)
-    _train_step(model, optimizer, 0, device)
+    train_step(model, optimizer, 0, device)
     saver = savers.SAVERS[kind](directory, keep=keep) if kind != "none" else None
     step_spans, blocked_spans, losses, saves = [], [], [], []
     iterator = range(1, steps + 1)
@@ -241,7 +241,7 @@ def train_with_checkpoints(
         origin = time.perf_counter()
         for step in iterator:
             start = time.perf_counter()
-            losses.append(_train_step(model, optimizer, step, device))
+            losses.append(train_step(model, optimizer, step, device))
             synchronize(device)
             step_spans.append((start - origin, time.perf_counter() - start))
             if saver is not None and step % save_every == 0:
@@ -287,14 +287,14 @@ def resume_experiment(
     model, optimizer = make_model(state_mb, device=device, seed=0)
     with savers.SAVERS[kind](directory, keep=2) as saver:
         for step in range(1, save_at + 1):
-            _train_step(model, optimizer, step, device)
+            train_step(model, optimizer, step, device)
         saver.save(save_at, checkpoint.capture_training_state(model, optimizer, loader_position=save_at))
-    uninterrupted = [_train_step(model, optimizer, step, device) for step in range(save_at + 1, steps + 1)]
+    uninterrupted = [train_step(model, optimizer, step, device) for step in range(save_at + 1, steps + 1)]
 
     model, optimizer = make_model(state_mb, device=device, seed=1)
     random.random(), np.random.rand(), torch.rand(3), torch.rand(3, device=device)
     position = checkpoint.restore_training_state(checkpoint.load_latest(directory).state, model, optimizer)
-    resumed = [_train_step(model, optimizer, step, device) for step in range(position + 1, steps + 1)]
+    resumed = [train_step(model, optimizer, step, device) for step in range(position + 1, steps + 1)]
     return uninterrupted, resumed
 
 
@@ -375,7 +375,7 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
     root = Path(directory)
     model, optimizer = make_model(state_mb_per_rank, seed=rank)
     position = 0
-    _train_step(model, optimizer, position, "cpu")
+    train_step(model, optimizer, position, "cpu")
     state_bytes = savers.state_bytes(_flat_rank_state(model, optimizer, rank))
     calls: dict[str, SaverCalls] = {}
     for kind in SAVER_KINDS:
@@ -385,7 +385,7 @@ def compare_savers_rank(directory: str, state_mb_per_rank: float, saves: int, st
         for index in range(saves):
             for _ in range(steps_between):
                 position += 1
-                _train_step(model, optimizer, position, "cpu")
+                train_step(model, optimizer, position, "cpu")
             state = _flat_rank_state(model, optimizer, rank)
             drain = time.perf_counter()
             if isinstance(saver, savers.AsyncSaver):

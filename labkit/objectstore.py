@@ -13,7 +13,8 @@ client that has its answer always finds it in the log.
 
 ``first_byte_ms`` is an EMULATED condition: the server waits that long before it
 answers each request, standing in for the round trip to a remote bucket that this
-box does not have. It sets a condition; the bytes, the requests and the time the
+box does not have. So is ``bytes_per_s``: the server sends each body no faster,
+as one stream from a remote bucket would arrive. It sets a condition; the bytes, the requests and the time the
 clients then take are measured. :class:`HttpFetch` is the client Lab 1's
 DataLoader workers use.
 """
@@ -102,10 +103,21 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         self._head(206 if span else 200, stop - start, headers)
         if self.command == "GET":
-            with open(path, "rb") as file:
-                file.seek(start)
-                for offset in range(start, stop, CHUNK_BYTES):
-                    self.wfile.write(file.read(min(CHUNK_BYTES, stop - offset)))
+            self._send_body(path, start, stop)
+
+    def _send_body(self, path: Path, start: int, stop: int) -> None:
+        """The bytes, paced to the emulated ``bytes_per_s`` when there is one (in 64 KiB chunks, then)."""
+        rate = self.server.bytes_per_s
+        chunk = min(CHUNK_BYTES, 64 << 10) if rate else CHUNK_BYTES
+        began = time.monotonic()
+        with open(path, "rb") as file:
+            file.seek(start)
+            for offset in range(start, stop, chunk):
+                self.wfile.write(file.read(min(chunk, stop - offset)))
+                if rate:
+                    ahead_s = began + (min(offset + chunk, stop) - start) / rate - time.monotonic()
+                    if ahead_s > 0:
+                        time.sleep(ahead_s)
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self._head(status, len(body), {"Content-Type": "text/plain; charset=utf-8", **(headers or {})})
@@ -137,9 +149,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, root: Path, first_byte_ms: float, log_path: Path) -> None:
+    def __init__(self, root: Path, first_byte_ms: float, log_path: Path, bytes_per_s: float = 0.0) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.root, self.first_byte_s = root, first_byte_ms / 1e3
+        self.root, self.first_byte_s, self.bytes_per_s = root, first_byte_ms / 1e3, bytes_per_s
         self._log, self._lock = open(log_path, "a", buffering=1), threading.Lock()
 
     def record(self, **fields: Any) -> None:
@@ -152,12 +164,12 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def _serve(root: str, log_path: str, first_byte_ms: str, parent_pid: str) -> None:
+def _serve(root: str, log_path: str, first_byte_ms: str, parent_pid: str, bytes_per_s: str = "0") -> None:
     """The server process: die with the parent, bind port 0, print the port, serve until killed."""
     processes.die_with_parent()
     if os.getppid() != int(parent_pid):  # the parent died before prctl took effect (under a subreaper)
         os._exit(1)
-    server = _Server(Path(root), float(first_byte_ms), Path(log_path))
+    server = _Server(Path(root), float(first_byte_ms), Path(log_path), float(bytes_per_s))
     print(server.server_address[1], flush=True)
     sys.stdout.close()
     server.serve_forever()
@@ -170,7 +182,8 @@ class ObjectStore:
     """The files under ``root``, served over HTTP by a server process of their own.
 
     ``first_byte_ms`` (>= 0) is EMULATED: the server waits that long before
-    answering each request, as a remote bucket's round trip would. Requests are
+    answering each request, as a remote bucket's round trip would. So is
+    ``bytes_per_s`` (0: as fast as the machine sends): each body arrives no faster. Requests are
     counted by the server (:meth:`log`, :meth:`requests`, :meth:`bytes_served`).
 
     The server stops on leaving the ``with`` block (or :meth:`close`), on an
@@ -184,15 +197,18 @@ class ObjectStore:
     """
 
     def __init__(self, root: str | Path, first_byte_ms: float = 0.0, *, log_dir: str | Path | None = None,
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, bytes_per_s: float = 0.0) -> None:
         if not 0 <= first_byte_ms < float("inf"):
             raise ValueError(f"first_byte_ms must be a finite number >= 0 (0 turns the emulated latency off), "
                              f"got {first_byte_ms}")
+        if not 0 <= bytes_per_s < float("inf"):
+            raise ValueError(f"bytes_per_s must be a finite number >= 0 (0 sends as fast as the machine can), "
+                             f"got {bytes_per_s}")
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be > 0, got {start_timeout_s}")
         if not Path(root).is_dir():
             raise FileNotFoundError(f"root must be an existing directory of objects to serve, got {root}")
-        self.root, self.first_byte_ms = Path(root).resolve(), first_byte_ms
+        self.root, self.first_byte_ms, self.bytes_per_s = Path(root).resolve(), first_byte_ms, bytes_per_s
         self._temp_dir = None if log_dir else tempfile.mkdtemp(prefix="labkit-objectstore-")
         folder = Path(log_dir or self._temp_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -201,7 +217,7 @@ class ObjectStore:
         with open(folder / "server.stderr", "w+") as stderr:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", __file__, str(self.root), str(self.log_path), repr(first_byte_ms),
-                 str(os.getpid())],
+                 str(os.getpid()), repr(float(bytes_per_s))],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
             self.pid = self._proc.pid
             _open_stores.add(self)

@@ -164,6 +164,19 @@ def test_first_byte_latency_is_paid_by_every_request(root):
     assert _sequential_gets_s(root, 0) < 0.25
 
 
+def test_an_emulated_read_rate_paces_every_body_and_bad_rates_are_refused(tmp_path):
+    (tmp_path / "blob").write_bytes(os.urandom(3_000_000))
+    with ObjectStore(tmp_path, bytes_per_s=20e6) as store:
+        fetch = HttpFetch([store.url("blob")])
+        start = time.perf_counter()
+        assert len(fetch(0)) == 3_000_000
+        assert time.perf_counter() - start >= 0.9 * 3_000_000 / 20e6
+        assert store.bytes_served() == 3_000_000
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ValueError, match="bytes_per_s must be a finite number >= 0"):
+            ObjectStore(tmp_path, bytes_per_s=bad)
+
+
 def _servers_started_here() -> list[int]:
     """Live object-server processes whose parent is this test process."""
     found = []

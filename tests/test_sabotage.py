@@ -294,7 +294,7 @@ SABOTAGES = [
         # twice the slowest step without checkpoints (a slowdown added to each step kept the spread that other work
         # on a busy machine gave the steps, the async run's median fell behind its mean, and the cell passed in
         # 4 of 5 runs here)
-        _train, _step = stalls.train_with_checkpoints, stalls._train_step
+        _train, _step = stalls.train_with_checkpoints, stalls.train_step
         _unsaved_s = []
         def _timed_step(*args, **kwargs):
             start = time.perf_counter()
@@ -307,14 +307,21 @@ SABOTAGES = [
             time.sleep(max(0.0, 2 * max(_unsaved_s) - (time.perf_counter() - start)))
             return loss
         def _train_beside_a_greedy_writer(kind, *args, **kwargs):
-            stalls._train_step = {"none": _timed_step, "async": _slowed_step}.get(kind, _step)
+            stalls.train_step = {"none": _timed_step, "async": _slowed_step}.get(kind, _step)
             try:
                 return _train(kind, *args, **kwargs)
             finally:
-                stalls._train_step = _step
+                stalls.train_step = _step
         stalls.train_with_checkpoints = _train_beside_a_greedy_writer
     """, fails_at="goodput-07", says="the run that finishes later never scores the higher goodput",
              needs=('09780d08', 'plan-k', 'f13536ac')),
+    Sabotage("07_checkpoints_and_fusion", "the restarted trainer fetches from the store although a copy is in memory", """
+        from labkit import restore
+        _sources = restore._sources
+        restore._sources = lambda snapshot, fetch: {source: _sources(snapshot, fetch)["store"]
+                                                    for source in ("memory", "store")}
+    """, fails_at="restore-asserts-07", says="the in-memory copy restores far faster than the store",
+             needs=('09780d08', 'restore-07')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
