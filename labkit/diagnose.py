@@ -111,7 +111,8 @@ class Diagnosis:
                                  on_trace_ready=self._trace_ready)
         self._stack.enter_context(_checkpoint_spans())
         self._stack.callback(register_optimizer_step_post_hook(self._on_step).remove)
-        self._profiler.start()
+        with _without_kineto_chatter():
+            self._profiler.start()
         self._stack.callback(self._stop_profiler)
         return self
 
@@ -124,7 +125,7 @@ class Diagnosis:
         self._stack.close()
 
     def _stop_profiler(self) -> None:
-        with contextlib.suppress(Exception):  # already stopped when its steps ended
+        with contextlib.suppress(Exception), _without_kineto_chatter():  # already stopped when its steps ended
             self._profiler.stop()
 
     def _on_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
@@ -134,7 +135,8 @@ class Diagnosis:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._marks.append(time.perf_counter())
-        self._profiler.step()
+        with _without_kineto_chatter():
+            self._profiler.step()
         if self.result is not None and self.stop_script:
             raise EnoughSteps
 
@@ -151,16 +153,42 @@ class Diagnosis:
         (self.out / f"rank{rank}.json").write_text(json.dumps(asdict(self.result), indent=1))
 
 
+@contextlib.contextmanager
+def _without_kineto_chatter():
+    """File descriptor 2 to /dev/null while the profiler starts, steps or stops.
+
+    Kineto (pytorch/kineto#1325, in torch 2.13) writes a "USDT ... profiler_start"
+    and "... profiler_stop" line to the process's stderr at each start and stop,
+    below Python, where no logging setting reaches; in a notebook they landed in
+    the learner's output. Only these calls are silenced, not the training.
+    """
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _activities() -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
 
 @contextlib.contextmanager
 def _checkpoint_spans():
-    """``torch.save`` and DCP's saves inside a named span while profiling; the originals back afterwards."""
+    """``torch.save``, DCP's saves and ``os.fsync`` inside a named span while profiling; the originals back afterwards.
+
+    ``fsync`` is how a save makes its bytes durable, and on a slow disk it is most of
+    the save: without it, a checkpoint written the way Lab 7 writes one (serialise,
+    then fsync, then rename) showed only its serialisation as checkpoint time.
+    """
     import torch.distributed.checkpoint as dcp
 
-    targets = [(torch, "save")] + [(dcp, name) for name in ("save", "async_save") if hasattr(dcp, name)]
+    targets = ([(torch, "save"), (os, "fsync")]
+               + [(dcp, name) for name in ("save", "async_save") if hasattr(dcp, name)])
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
     for owner, name, original in originals:
         setattr(owner, name, _in_span(original, f"{step_attribution.CHECKPOINT_SPAN} ({owner.__name__}.{name})"))

@@ -100,6 +100,10 @@ TRIM_LAB8_ASSUMED_LINKS = """
     from labkit import fabric
     fabric.probe = lambda: fabric.Capability("emulated", "links not measured: the sabotage reads the simulator only")
 """
+TRIM_LAB8_NAN_ONLY = """
+    from labkit import fault_plan
+    fault_plan.FAULT_KINDS = ("nan",)
+"""
 TRIM_LAB6_BYTES_ONLY = """
     import dataclasses
     from labkit import zeropp_fabric
@@ -322,6 +326,12 @@ SABOTAGES = [
                                                     for source in ("memory", "store")}
     """, fails_at="restore-asserts-07", says="the in-memory copy restores far faster than the store",
              needs=('09780d08', 'restore-07')),
+    Sabotage("07_checkpoints_and_fusion", "the diagnosis leaves saves unlabelled", """
+        import contextlib
+        from labkit import diagnose
+        diagnose._checkpoint_spans = contextlib.nullcontext
+    """, fails_at="diagnose-asserts-07", says="the synchronous run is checkpoint-bound",
+             needs=('09780d08', 'diagnose-07')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
@@ -331,7 +341,7 @@ SABOTAGES = [
         from labkit import triage
         triage.node_at_fault = lambda cause: True
     """, fails_at="71cc3d7e", says="a NaN is the program's: the ranks restart on the same nodes",
-             needs=('48b1b338', 'fc74298f', '67abeab2', 'dce1689b')),
+             needs=('48b1b338', 'fc74298f', 'dce1689b'), trim=TRIM_LAB8_NAN_ONLY),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
