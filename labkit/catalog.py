@@ -238,6 +238,46 @@ def decoded_bytes(paths: Iterable[str]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class DecodePeaks:
+    """Peak resident memory added while decoding the same images kept all at once, or a batch at a time."""
+
+    jpeg_bytes: int
+    decoded_bytes: int
+    materialised_bytes: int
+    """Peak added while every decoded image is kept (a list of arrays, as a whole column in memory)."""
+    streamed_bytes: int
+    """Peak added while each batch is decoded, used and dropped before the next."""
+
+
+def decode_peaks(paths: Iterable[str], *, batch: int = 32) -> DecodePeaks:
+    """Decode ``paths`` twice at full size, keeping everything, then ``batch`` images at a time; measure both peaks.
+
+    The peaks are the kernel's high-water mark of this process (:class:`labkit.devices.PeakRss`),
+    so they count what the arrays really took, allocator and all.
+    """
+    from labkit.devices import PeakRss
+
+    paths = list(paths)
+    if not paths or batch < 1:
+        raise ValueError(f"paths must name at least one image and batch must be >= 1, got {len(paths)} and {batch}")
+
+    def decode(path: str) -> np.ndarray:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+
+    with PeakRss() as materialised:
+        kept = [decode(path) for path in paths]
+    decoded = sum(array.nbytes for array in kept)
+    del kept
+    with PeakRss() as streamed:
+        for start in range(0, len(paths), batch):
+            arrays = [decode(path) for path in paths[start:start + batch]]
+            del arrays
+    return DecodePeaks(sum(os.path.getsize(path) for path in paths), decoded, materialised.added_bytes,
+                       streamed.added_bytes)
+
+
 def mean_by(frame: daft.DataFrame, key: str, value: str) -> dict[object, float]:
     """Mean of ``value`` per distinct ``key`` (e.g. quality of degraded vs clean images)."""
     table = frame.groupby(key).agg(col(value).mean().alias("mean")).to_pydict()

@@ -129,3 +129,13 @@ def test_decoding_the_images_takes_the_bytes_the_catalog_says(small_dataset, tmp
         image.resize((image.width // 2, image.height // 2)).save(smaller)
     assert catalog.decoded_bytes([str(smaller)]) < rows["width"][0] * rows["height"][0] * 3, \
         "a file that no longer matches its catalog row decodes to other bytes"
+
+
+def test_kept_decoded_images_take_their_bytes_in_memory_and_a_stream_takes_a_batch(small_dataset):
+    paths, _ = small_dataset.paths_and_labels()
+    peaks = catalog.decode_peaks(paths[:128], batch=8)
+    assert peaks.decoded_bytes > 5 * peaks.jpeg_bytes
+    assert peaks.materialised_bytes >= 0.8 * peaks.decoded_bytes
+    assert peaks.streamed_bytes < 0.3 * peaks.materialised_bytes
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        catalog.decode_peaks(paths[:4], batch=0)

@@ -214,6 +214,21 @@ SABOTAGES = [
         objectstore.HttpFetch.get = _get_in_turn
     """, fails_at="race-asserts-02", says="GET threads keep more requests in flight",
              needs=("ea9b2598", "ec76baf4", "9134b9d0", "race-02"), trim=TRIM_LAB2_SHORT_RACE),
+    Sabotage("02_data_engine", "the materialised column keeps the JPEG bytes and decodes on access", """
+        from pathlib import Path
+        from labkit import catalog
+        from labkit.devices import PeakRss
+        _peaks = catalog.decode_peaks
+        def _lazy(paths, *, batch=32):
+            paths = list(paths)
+            with PeakRss() as kept:
+                column = [Path(path).read_bytes() for path in paths]   # decoded only when a row is read
+            measured = _peaks(paths, batch=batch)
+            return catalog.DecodePeaks(measured.jpeg_bytes, measured.decoded_bytes, kept.added_bytes,
+                                       measured.streamed_bytes)
+        catalog.decode_peaks = _lazy
+    """, fails_at="memory-asserts-02", says="kept decoded images take their decoded bytes in memory",
+             needs=("ea9b2598", "ec76baf4", "8b8492e9", "memory-02")),
     Sabotage("02_data_engine", "the decode counts the JPEG's bytes instead of decoding it", """
         import os
         from labkit import catalog
