@@ -124,9 +124,9 @@ class Race:
 
 
 def _batches(loader: str, urls: list[str], labels: Sequence[int], *, workers: int, image_px: int,
-             batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+             batch_size: int, get_threads: int = GET_THREADS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     if loader != "Daft pipeline":
-        threads = GET_THREADS if loader == "PIL DataLoader + GET threads" else 1
+        threads = get_threads if loader == "PIL DataLoader + GET threads" else 1
         return iter(loaders.fetched_loader(HttpFetch(urls), labels, batch_size=batch_size, image_px=image_px,
                                            num_workers=workers, augment=False, get_threads=threads))
     frame = daft.from_pydict({"path": urls, "label": list(labels)})
@@ -134,14 +134,17 @@ def _batches(loader: str, urls: list[str], labels: Sequence[int], *, workers: in
 
 
 def measure(store: ObjectStore, loader: str, paths: Sequence[str], labels: Sequence[int], *, workers: int,
-            image_px: int, batch_size: int) -> StoreRun:
-    """Drain ``loader`` over ``paths`` served by ``store``; requests and connections from the server's log."""
+            image_px: int, batch_size: int, get_threads: int = GET_THREADS) -> StoreRun:
+    """Drain ``loader`` over ``paths`` served by ``store``; requests and connections from the server's log.
+
+    ``get_threads``: GET threads per worker of ``"PIL DataLoader + GET threads"``.
+    """
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
     before = len(store.log())
     start = time.perf_counter()
     images, _ = dataengine.drain(_batches(loader, [store.url(path) for path in paths], labels, workers=workers,
-                                          image_px=image_px, batch_size=batch_size))
+                                          image_px=image_px, batch_size=batch_size, get_threads=get_threads))
     seconds = time.perf_counter() - start
     served = [record for record in store.log()[before:] if record["method"] == "GET"]
     waited_s = sum(record["time_s"] - record["arrived_s"] for record in served)

@@ -2,13 +2,12 @@
 
 import pyarrow.parquet as pq
 
-from labkit import representations
 from labkit.exercises import Answer
 
 EX_2_1 = Answer(
-    right=lambda images, rows_per_group: representations.expected_requests(images, rows_per_group),
-    wrong=lambda images, rows_per_group: images,
-    wrong_because="one request per image: that is the files representation",
+    right=lambda workers, threads, latency_ms, decode_bound: min(decode_bound, workers * threads * 1e3 / latency_ms),
+    wrong=lambda workers, threads, latency_ms, decode_bound: workers * 1e3 / latency_ms,
+    wrong_because="one request in flight per worker: the threads are what keep more in flight",
 )
 
 
