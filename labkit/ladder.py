@@ -10,7 +10,6 @@ one-core machine the sleeping :class:`~labkit.accelerator.StandInAccelerator`.
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import os
 import warnings
