@@ -231,11 +231,13 @@ def decoded_bytes(paths: Iterable[str]) -> int:
     (width x height x 3); this decodes at full size and counts what it did take,
     so a catalog whose sizes no longer describe its files shows as a mismatch.
     """
-    total = 0
-    for path in paths:
-        with Image.open(path) as image:
-            total += np.asarray(image.convert("RGB")).nbytes
-    return total
+    return sum(_decode_rgb(path).nbytes for path in paths)
+
+
+def _decode_rgb(path: str) -> np.ndarray:
+    """The image at ``path`` at full size, as a uint8 RGB array."""
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
 
 
 @dataclass(frozen=True)
@@ -261,18 +263,13 @@ def decode_peaks(paths: Iterable[str], *, batch: int = 32) -> DecodePeaks:
     paths = list(paths)
     if not paths or batch < 1:
         raise ValueError(f"paths must name at least one image and batch must be >= 1, got {len(paths)} and {batch}")
-
-    def decode(path: str) -> np.ndarray:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-
     with PeakRss() as materialised:
-        kept = [decode(path) for path in paths]
+        kept = [_decode_rgb(path) for path in paths]
     decoded = sum(array.nbytes for array in kept)
     del kept
     with PeakRss() as streamed:
         for start in range(0, len(paths), batch):
-            arrays = [decode(path) for path in paths[start:start + batch]]
+            arrays = [_decode_rgb(path) for path in paths[start:start + batch]]
             del arrays
     return DecodePeaks(sum(os.path.getsize(path) for path in paths), decoded, materialised.added_bytes,
                        streamed.added_bytes)

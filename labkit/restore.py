@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from labkit import checkpoint, savers
-from labkit.checkpoint_stalls import train_step, make_model
+from labkit.checkpoint_stalls import make_model, train_step
+from labkit.crashcheck import same_bits
 from labkit.devices import synchronize
 from labkit.objectstore import HttpFetch, ObjectStore
 
@@ -80,7 +81,7 @@ def restore_race(directory: str | Path, *, state_mb: float, device: str | torch.
     model, optimizer = make_model(state_mb, device=device)
     for step in (1, 2):
         train_step(model, optimizer, step, device)
-    saved = {"model": _cpu_copy(model.state_dict()), "optimizer": _cpu_copy(optimizer.state_dict())}
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}   # this trainer trains no further
     with savers.AsyncSaver(directory, keep=1) as saver:
         saver.save(2, checkpoint.capture_training_state(model, optimizer, loader_position=2))
         stats = saver.wait()
@@ -103,31 +104,12 @@ def _sources(snapshot: dict, fetch: HttpFetch) -> dict[str, Callable[[], dict]]:
             "store": lambda: torch.load(io.BytesIO(fetch(0)), map_location="cpu", weights_only=True)}
 
 
-def _restore(source: str, load: Callable[[], dict], state_mb: float, device: torch.device, saved: dict, nbytes: int) -> Restore:
+def _restore(source: str, load: Callable[[], dict], state_mb: float, device: torch.device, saved: dict,
+             nbytes: int) -> Restore:
     model, optimizer = make_model(state_mb, device=device, seed=1)
     start = time.perf_counter()
     checkpoint.restore_training_state(load(), model, optimizer)
     synchronize(device)
     seconds = time.perf_counter() - start
-    restored = {"model": _cpu_copy(model.state_dict()), "optimizer": _cpu_copy(optimizer.state_dict())}
-    return Restore(source, seconds, nbytes, _equal(saved, restored))
-
-
-def _cpu_copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _cpu_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(item) for item in value)
-    return value
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
+    restored = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return Restore(source, seconds, nbytes, same_bits(saved, restored))

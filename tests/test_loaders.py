@@ -1,5 +1,7 @@
 """Lab 1's loaders: same batches from every rung, deterministic, and honest emulations."""
 
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -277,8 +279,6 @@ def test_the_sizing_implies_a_third_busy_only_where_the_model_is_sized_to_the_lo
 @pytest.fixture
 def spinner():
     """Another program holding one core, as on a learner's busy laptop."""
-    import subprocess
-    import sys
     process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     time.sleep(0.5)
     yield process
