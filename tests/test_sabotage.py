@@ -268,6 +268,11 @@ SABOTAGES = [
         zero_probe.deepspeed_config = _no_optimizer_offload
     """, fails_at="8a7b80e1", says="on_accelerator.optimizer == 0",
              needs=('40b7a698', '712e7ac5'), trim=TRIM_LAB4_OFFLOAD_AND_ITS_STAGES),
+    Sabotage("04_zero_memory", "checkpointing that keeps every activation", """
+        from labkit import recompute
+        recompute.checkpointed_forward = recompute.keep_all_forward
+    """, fails_at="recompute-asserts", says="checkpointing kept",
+             needs=('40b7a698', 'recompute-run')),
     Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
         from labkit import gradsync
         gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step

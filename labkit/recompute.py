@@ -1,0 +1,216 @@
+"""Activation checkpointing: recompute a block's activations in the backward pass instead of keeping them.
+
+A training step keeps, from the forward pass until the backward pass uses them,
+the tensors every layer saved (a Linear its input, a GELU its input). When the
+batch is large and the layers small, those activations are most of the step's
+memory, and ZeRO does nothing for them: it partitions model states only.
+Checkpointing (Chen et al., arXiv 1604.06174; ``torch.utils.checkpoint``) keeps
+only each block's input and runs the block's forward again during the backward:
+memory goes down to the inputs plus one block's activations, and the step pays
+one more forward pass. Fitting costs time.
+
+The model here is a stack of MLP blocks (Linear d->4d, GELU, Linear 4d->d) run
+on many tokens, so activations dominate. Both the memory and the time are
+measured, and both have a model beside them:
+
+- memory: every block saves its input (d), the GELU's input (4d) and the second
+  Linear's input (4d), 36 bytes per token per unit of width in fp32;
+  checkpointed, each block keeps its input and, during the backward, one block at
+  a time holds its 36 again;
+- time: a checkpointed step is a plain step plus one more forward, with the
+  forward's time measured on its own.
+
+On a GPU the peak comes from the caching allocator (``max_memory_allocated``);
+on the CPU from the kernel's resident-set high-water mark in a fresh process
+whose large allocations are each their own mapping (:class:`labkit.devices.PeakRss`),
+as :mod:`labkit.fused_loss` measures its peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from labkit.devices import PeakRss
+from labkit.profiles import require_at_least
+
+FP32_BYTES = 4
+SAVED_WIDTHS_PER_BLOCK = 1 + 4 + 4
+"""Widths of the tensors one block saves: the first Linear's input (d), the GELU's input (4d), the second Linear's input (4d)."""
+
+
+@dataclass(frozen=True)
+class RecomputeSize:
+    """``blocks`` MLP blocks of width ``width`` (hidden 4 x width) on ``tokens`` tokens, timed ``repeats`` steps each."""
+
+    blocks: int
+    width: int
+    tokens: int
+    repeats: int
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "blocks", "width", "tokens", "repeats")
+
+    @property
+    def num_params(self) -> int:
+        return self.blocks * (2 * 4 * self.width * self.width + 5 * self.width)
+
+
+SIZES = {
+    "ci": RecomputeSize(blocks=8, width=64, tokens=2048, repeats=3),
+    "gpu": RecomputeSize(blocks=16, width=1024, tokens=16384, repeats=10),
+    "multi-gpu": RecomputeSize(blocks=16, width=1024, tokens=16384, repeats=10),
+}
+KINDS = ("keep every activation", "checkpoint each block")
+
+
+def make_model(size: RecomputeSize, device: str = "cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(size.width, 4 * size.width), nn.GELU(), nn.Linear(4 * size.width, size.width))
+              for _ in range(size.blocks)]
+    return nn.Sequential(*blocks).to(device)
+
+
+def keep_all_forward(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """The baseline: every block's saved tensors stay alive until the backward pass."""
+    return model(x)
+
+
+def checkpointed_forward(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """Each block keeps only its input; its forward runs again when the backward reaches it."""
+    for block in model:
+        x = checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def forward_for(kind: str):
+    """The forward function of ``kind`` (one of :data:`KINDS`), looked up when called so a patched one is used."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return keep_all_forward if kind == KINDS[0] else checkpointed_forward
+
+
+def train_step(model: nn.Sequential, x: torch.Tensor, kind: str) -> None:
+    for p in model.parameters():
+        p.grad = None
+    forward_for(kind)(model, x).float().pow(2).mean().backward()
+
+
+def modelled_peak_bytes(size: RecomputeSize, kind: str) -> int:
+    """Bytes a step adds at its peak: the activations alive at once, plus the parameters' gradients.
+
+    Without checkpointing all blocks' saved tensors are alive when the backward
+    starts; with it, every block's input plus one block's saved tensors (while
+    its forward is recomputed). Gradients of the activations in flight and the
+    kernels' temporaries are left out: they are what the measurement adds.
+    """
+    per_block = FP32_BYTES * size.tokens * size.width * SAVED_WIDTHS_PER_BLOCK
+    grads = FP32_BYTES * size.num_params
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == KINDS[0]:
+        return size.blocks * per_block + grads
+    return size.blocks * FP32_BYTES * size.tokens * size.width + per_block + grads
+
+
+@dataclass(frozen=True)
+class RecomputeResult:
+    """Peak bytes added by one step and step times (each kind's fastest), plus one forward pass alone."""
+
+    size: RecomputeSize
+    peak_bytes: dict[str, int]
+    step_ms: dict[str, float]
+    forward_ms: float
+    method: str
+
+    def peak_ratio(self) -> float:
+        return self.peak_bytes[KINDS[1]] / self.peak_bytes[KINDS[0]]
+
+    def time_ratio(self) -> float:
+        return self.step_ms[KINDS[1]] / self.step_ms[KINDS[0]]
+
+    def modelled_time_ratio(self) -> float:
+        """A checkpointed step is a plain step plus one forward pass, both measured."""
+        return (self.step_ms[KINDS[0]] + self.forward_ms) / self.step_ms[KINDS[0]]
+
+    def modelled_peak_ratio(self) -> float:
+        return modelled_peak_bytes(self.size, KINDS[1]) / modelled_peak_bytes(self.size, KINDS[0])
+
+
+def _peak_bytes_here(model: nn.Sequential, x: torch.Tensor, kind: str) -> int:
+    """Peak memory one step adds in this process, after a warm-up step."""
+    train_step(model, x, kind)
+    for p in model.parameters():
+        p.grad = None
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        train_step(model, x, kind)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with PeakRss() as peak:
+        train_step(model, x, kind)
+    return peak.added_bytes
+
+
+def _timed_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure_here(size: RecomputeSize, device: str = "cpu") -> dict:
+    """Peaks, then step times with the kinds taking turns (load from elsewhere hits both alike), fastest kept."""
+    model = make_model(size, device)
+    x = torch.randn(size.tokens, size.width, generator=torch.Generator().manual_seed(1)).to(device)
+    peaks = {kind: _peak_bytes_here(model, x, kind) for kind in KINDS}
+    steps: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    forwards: list[float] = []
+    for _ in range(size.repeats):
+        for kind in KINDS:
+            steps[kind].append(_timed_ms(lambda: train_step(model, x, kind), x.device))
+        with torch.no_grad():
+            forwards.append(_timed_ms(lambda: model(x), x.device))
+    return {"peak_bytes": peaks, "step_ms": {k: min(v) for k, v in steps.items()}, "forward_ms": min(forwards),
+            "spread": {k: statistics.median(v) / min(v) for k, v in steps.items()}}
+
+
+def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
+    """Both kinds measured; on the CPU in a fresh single-threaded process (see the module docstring)."""
+    if device.startswith("cuda"):
+        got = measure_here(size, device)
+        return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"], "torch.cuda.max_memory_allocated")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "labkit.recompute", json.dumps(asdict(size))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"checkpointing probe failed:\n{out.stderr[-2000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"],
+                           "resident-set high-water mark (VmHWM), fresh process")
+
+
+def _main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    print(json.dumps(measure_here(RecomputeSize(**json.loads(argv[0])))))
+
+
+if __name__ == "__main__":
+    # Run through the importable module, so a patched checkpointed_forward is the one measured.
+    from labkit import recompute
+
+    recompute._main(sys.argv[1:])

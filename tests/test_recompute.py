@@ -1,0 +1,37 @@
+"""Activation checkpointing: the same gradients for less memory, and a model that says how much less."""
+
+import pytest
+import torch
+
+from labkit import recompute
+
+SMALL = recompute.RecomputeSize(blocks=3, width=8, tokens=16, repeats=1)
+
+
+def test_checkpointing_gives_the_same_gradients_as_keeping_every_activation():
+    model = recompute.make_model(SMALL)
+    x = torch.randn(SMALL.tokens, SMALL.width)
+    grads = {}
+    for kind in recompute.KINDS:
+        recompute.train_step(model, x, kind)
+        grads[kind] = [p.grad.clone() for p in model.parameters()]
+    for kept, recomputed in zip(*grads.values()):
+        torch.testing.assert_close(kept, recomputed)
+
+
+def test_checkpointed_model_keeps_block_inputs_plus_one_block():
+    per_block = 4 * SMALL.tokens * SMALL.width * 9
+    grads = 4 * SMALL.num_params
+    assert recompute.modelled_peak_bytes(SMALL, recompute.KINDS[0]) == 3 * per_block + grads
+    assert recompute.modelled_peak_bytes(SMALL, recompute.KINDS[1]) == 3 * 4 * SMALL.tokens * SMALL.width + per_block + grads
+
+
+def test_num_params_counts_weights_and_biases():
+    assert SMALL.num_params == sum(p.numel() for p in recompute.make_model(SMALL).parameters())
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="kind"):
+        recompute.modelled_peak_bytes(SMALL, "keep half")
+    with pytest.raises(ValueError, match="blocks"):
+        recompute.RecomputeSize(blocks=0, width=8, tokens=16, repeats=1)
