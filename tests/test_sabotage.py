@@ -288,6 +288,14 @@ SABOTAGES = [
         from labkit import gradsync, gradsync_crossover
         gradsync_crossover.delayed_sync = gradsync.sync_every_micro_step
     """, fails_at="crossover-asserts-05", says="of the ceiling", needs=('861d0932', 'crossover-run-05')),
+    Sabotage("05_gradient_sync", "DDP ignores its bucket size and all-reduces one bucket when backward ends", """
+        from labkit import ddp_overlap
+        ddp_overlap.bucket_cap_mb = lambda variant: ddp_overlap.ONE_BUCKET_BYTES / 2**20
+    """, fails_at="overlap-asserts-05", says="of the one-bucket wait exposed", needs=('861d0932', 'overlap-run-05')),
+    Sabotage("05_gradient_sync", "the overlap's link is not shaped", """
+        from labkit import netns
+        netns.shape = lambda *args, **kwargs: None
+    """, fails_at="overlap-asserts-05", says="the modelled time for the link", needs=('861d0932', 'overlap-run-05')),
     Sabotage("06_quantized_collectives", "hpZ gathers weights across nodes", """
         import torch.distributed as dist
         from labkit import quantcomm
