@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from labkit import dsops, nvme_offload, zero, zero_accounting
+from labkit import dsops, nvme_offload, zero, zero_accounting, zero_traffic
 from labkit.processes import temporary_folder
 
 BUCKET_ELEMS = 2**16
@@ -69,7 +69,7 @@ class ProbeSize:
 
 
 SIZES = {
-    "ci": ProbeSize(layers=24, width=192, batch=16, steps=6),
+    "ci": ProbeSize(layers=24, width=192, batch=16, steps=3),
     "gpu": ProbeSize(layers=64, width=256, batch=32, steps=6),
     "multi-gpu": ProbeSize(layers=96, width=1024, batch=32, steps=6),
 }
@@ -90,6 +90,8 @@ class RankMeasurement:
     step_ms: list[float] = field(default_factory=list)
     update_ms: list[float] = field(default_factory=list)
     init_ms: float = 0.0
+    traffic: zero_traffic.StageTraffic | None = None
+    """What this rank's node link carried per step (stages 0-3 on a fabric only)."""
 
     @property
     def model_states(self) -> zero.ModelStateBytes:
@@ -197,6 +199,14 @@ def _train_step(engine, batch) -> None:
     engine.step()
 
 
+def _timed_step(engine, batch) -> float:
+    from labkit.devices import Stopwatch
+
+    with Stopwatch(engine.device) as whole:
+        _train_step(engine, batch)
+    return whole.ms
+
+
 def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]:
     """Run one step, weighing the engine before the final gradient reduction and after the step."""
     snapshots = []
@@ -218,9 +228,12 @@ def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]
     return accelerator, host
 
 
-def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir: str | None = None
-               ) -> list[RankMeasurement]:
+def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir: str | None = None,
+               fab: Any = None, traffic: zero_traffic.TrafficSize | None = None) -> list[RankMeasurement]:
     """Rank function: build every config's engine, weigh it, then time their steps in turn.
+
+    On a fabric (``fab``), the engines without offload then count their bytes on
+    the links and time their steps on a slow link (:mod:`labkit.zero_traffic`).
 
     DeepSpeed allows several engines in one process after one ``init_distributed``;
     each engine gets a fresh model, so no ZeRO-3 hooks carry over. Steps are timed
@@ -257,6 +270,10 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
                     engine.step()
             step_ms[i].append(whole.ms)
             update_ms[i].append(update.ms)
+    plain = [i for i, config in enumerate(configs) if not config.offloaded]
+    on_links = {} if fab is None else dict(zip(plain, zero_traffic.measure_on_links(
+        fab, [configs[i].stage for i in plain], [engines[i] for i in plain], [batches[i] for i in plain],
+        _timed_step, traffic)))
     results = []
     for i, (config, engine) in enumerate(zip(configs, engines)):
         accelerator, host = weighed[i]
@@ -266,7 +283,7 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
                            for p in engine.module.parameters()),
             dtype=dtype, accelerator=accelerator, host=host,
             optimizer_class=type(engine.basic_optimizer).__name__, step_ms=step_ms[i],
-            update_ms=update_ms[i], init_ms=init_ms[i],
+            update_ms=update_ms[i], init_ms=init_ms[i], traffic=on_links.get(i),
         ))
     for engine in engines:
         engine.destroy()
@@ -281,15 +298,18 @@ def measure(
     ranks: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    on_links: bool = False,
 ) -> list[RankMeasurement]:
     """Run every config on real ranks in ONE launch; measurements of every rank, config-major.
 
     Defaults come from the active profile. ``backend="nccl"`` puts the ranks on GPUs
     (one per rank): with one GPU, ``ranks=1`` is how offload gets timed across a real
-    PCIe bus. Bad input is refused here, before any rank starts; the DeepSpeed ops
-    are built (once per environment) in this process.
+    PCIe bus. ``on_links=True`` puts each gloo rank on its own node of a fabric and
+    counts what the engines send (:mod:`labkit.zero_traffic`; needs
+    ``labkit.fabric.probe()`` to say ``"namespaces"``). Bad input is refused here,
+    before any rank starts; the DeepSpeed ops are built (once per environment) in this process.
     """
-    from labkit import dsops, profile
+    from labkit import dsops, fabric, profile
     from labkit.launcher import check_backend, launch
 
     prof = profile()
@@ -300,6 +320,8 @@ def measure(
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     check_backend(backend)
+    if on_links and (backend != "gloo" or ranks < 2):
+        raise ValueError(f"on_links needs gloo ranks on 2 or more nodes, got backend={backend!r}, ranks={ranks}")
     if not configs:
         raise ValueError("configs must name at least one ProbeConfig")
     for config in configs:
@@ -326,8 +348,10 @@ def measure(
     with contextlib.ExitStack() as stack:
         if dsops.ASYNC_IO_OP in ops:  # made after the build, so a failed build leaves no folder behind
             nvme_dir = str(stack.enter_context(temporary_folder("labkit-nvme-", nvme_offload.nvme_parent_dir())))
-        per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s,
-                          configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir)
+        fab = stack.enter_context(fabric.Fabric(zero_traffic.topology(ranks))) if on_links else None
+        per_rank = launch(probe_rank, ranks, backend=backend, timeout_s=timeout_s, fabric=fab,
+                          configs=configs, size=size, dtype=dtype, nvme_dir=nvme_dir, fab=fab,
+                          traffic=prof.pick(zero_traffic.SIZES) if on_links else None)
     return [rank_results[i] for i in range(len(configs)) for rank_results in per_rank]
 
 

@@ -273,6 +273,22 @@ SABOTAGES = [
         recompute.checkpointed_forward = recompute.keep_all_forward
     """, fails_at="recompute-asserts", says="checkpointing kept",
              needs=('40b7a698', 'recompute-run')),
+    Sabotage("04_zero_memory", "ZeRO stage 3 that keeps every parameter on every rank", """
+        from labkit import zero_probe
+        _config = zero_probe.deepspeed_config
+        def _stage3_as_stage2(config, **kwargs):
+            built = _config(config, **kwargs)
+            if built["zero_optimization"]["stage"] == 3:
+                built["zero_optimization"]["stage"] = 2
+            return built
+        zero_probe.deepspeed_config = _stage3_as_stage2
+    """, fails_at="traffic-asserts", says="sent[s] / backend[s]",
+             needs=('40b7a698', '712e7ac5', 'traffic-table'), trim=TRIM_LAB4_BASE_ONLY),
+    Sabotage("04_zero_memory", "ZeRO links that are not shaped", """
+        from labkit import netns
+        netns.shape = lambda *args, **kwargs: None
+    """, fails_at="traffic-asserts", says="shorter than its bytes on the link",
+             needs=('40b7a698', '712e7ac5', 'traffic-table'), trim=TRIM_LAB4_BASE_ONLY),
     Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
         from labkit import gradsync
         gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step

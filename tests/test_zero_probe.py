@@ -38,6 +38,8 @@ def test_bad_stage_and_ranks_are_refused_before_any_rank_starts(no_ranks):
         zp.measure(size=zp.ProbeSize(0, 32, 4, 1))
     with pytest.raises(ValueError, match="dtype must be 'bf16' or 'fp16'"):
         zp.measure(size=TINY, dtype="int8")
+    with pytest.raises(ValueError, match="on_links needs gloo ranks on 2 or more nodes"):
+        zp.measure(size=TINY, ranks=1, on_links=True)
     with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl'"):
         zp.measure(size=TINY, backend="mpi")
 
