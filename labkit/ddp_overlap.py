@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,69 @@ def _timed_steps(ddp: nn.parallel.DistributedDataParallel, optimizer: torch.opti
         optimizer.step()
         if i:
             fastest.keep(time.perf_counter() - start, max(ready) - backward_start, backward_end - max(ready))
+
+
+class HandBuckets:
+    """All-reduce hand-made buckets while backward runs, launched in bucket order as DDP's reducer launches its own.
+
+    Exercise 5.2 runs a learner's buckets through this, so their *order* is what is
+    tested: a bucket is launched once every gradient in it exists and every earlier
+    bucket has been launched. A first bucket that holds the first layer's gradients,
+    which backward produces last, holds every other bucket back until backward ends.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], buckets: Sequence[Sequence[int]]):
+        self.params, self.buckets = list(params), [list(b) for b in buckets]
+        self.ready: set[int] = set()
+        self.launched: list[tuple[list[int], torch.Tensor, Any]] = []
+        self.last_gradient_s = 0.0
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(lambda _p, index=index: self._gradient_ready(index))
+
+    def _gradient_ready(self, index: int) -> None:
+        self.ready.add(index)
+        self.last_gradient_s = time.perf_counter()
+        while len(self.launched) < len(self.buckets) and self.ready.issuperset(self.buckets[len(self.launched)]):
+            bucket = self.buckets[len(self.launched)]
+            flat = torch.cat([self.params[i].grad.reshape(-1) for i in bucket])
+            self.launched.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+
+    def finish(self) -> float:
+        """Wait for every bucket, write the averaged gradients back; returns the wait after the last gradient."""
+        for _, _, work in self.launched:
+            work.wait()
+        wait_s = time.perf_counter() - self.last_gradient_s
+        for bucket, flat, _ in self.launched:
+            for i, piece in zip(bucket, flat.split([self.params[i].numel() for i in bucket])):
+                self.params[i].grad.copy_(piece.view_as(self.params[i].grad)).div_(dist.get_world_size())
+        if len(self.launched) != len(self.buckets):
+            raise RuntimeError(f"{len(self.buckets) - len(self.launched)} bucket(s) never became ready")
+        self.ready.clear()
+        self.launched.clear()
+        return wait_s
+
+
+def hand_buckets_rank(buckets: Sequence[Sequence[int]], hidden: int, layers: int, batch: int, steps: int,
+                      rate_gbit: float, links: dict[str, Any] | None = None) -> dict[str, float]:
+    """Rank function: the slowest rank's fastest wait after backward with one bucket and with ``buckets``."""
+    if links is not None and dist.get_rank() == 0:
+        set_link_rate(links, rate_gbit)
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    waits = {}
+    for name in ("one bucket", "yours"):
+        model = make_model(hidden, layers)
+        params = list(model.parameters())
+        hand = HandBuckets(params, [list(range(len(params)))] if name == "one bucket" else buckets)
+        wait_s = []
+        for _ in range(steps + 1):
+            model.zero_grad(set_to_none=False)
+            dist.barrier()
+            nn.functional.mse_loss(model(x), x.flip(1)).backward()
+            wait_s.append(hand.finish())
+        slowest = torch.tensor([min(wait_s[1:])], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        waits[name] = slowest.item()
+    return waits
 
 
 def _timeline(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, list]:

@@ -160,6 +160,7 @@ def overlap_plot(result: OverlapResult):
     bars_ax.set_xticks(list(xs), [f"{v}\n({len(result.bucket_bytes[v])} all-reduces)" for v in VARIANTS], fontsize=8)
     bars_ax.set_ylabel("exposed communication per step (ms)")
     bars_ax.set_title(f"What the link adds to a step, {result.sizes.rate_gbit:g} Gbit/s", fontsize=10)
+    bars_ax.set_ylim(0, 1.35 * max(1e3 * max(result.exposed_s(v), result.modelled_exposed_s(v)) for v in VARIANTS))
     bars_ax.legend(fontsize=8, loc="upper right")
     for row, variant in enumerate(VARIANTS):
         spans = result.timelines[variant]

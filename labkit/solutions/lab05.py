@@ -22,8 +22,13 @@ def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
     return buckets
 
 
+def _forward_buckets(sizes: list[int], cap: int) -> list[list[int]]:
+    """The same greedy rule, first layer first: the order the model registers its parameters."""
+    return [list(reversed(bucket)) for bucket in reversed(_buckets(sizes, cap))]
+
+
 EX_5_2 = Answer(
     right=_buckets,
-    wrong=lambda sizes, cap: [[i] for i in range(len(sizes))],
-    wrong_because="one bucket per parameter: a latency per tensor, as with no bucketing at all",
+    wrong=_forward_buckets,
+    wrong_because="forward order: the first bucket holds the first layer's gradients, which backward produces last",
 )
