@@ -53,3 +53,29 @@ def deepspeed_accelerator_rank() -> tuple[str, str]:
 def env_rank(name: str) -> tuple[str | None, str]:
     """This rank's value of ``name`` and its working folder."""
     return os.environ.get(name), os.getcwd()
+
+
+def hand_buckets_rank(order: str) -> dict:
+    """Hand-made buckets average the gradients like one all-reduce per tensor; returns when each bucket launched."""
+    from labkit.ddp_overlap import HandBuckets
+    from labkit.gradsync_workload import make_model
+
+    model = make_model(16, 3)
+    params = list(model.parameters())
+    buckets = [[i] for i in reversed(range(len(params)))]
+    if order == "forward":
+        buckets.reverse()
+    hand = HandBuckets(params, buckets)
+    launched = []   # after each gradient: how many buckets were on their way (hooks run in registration order)
+    for param in params:
+        param.register_post_accumulate_grad_hook(lambda _p: launched.append(len(hand.launched)))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+    launched_while_backward = launched[-2]   # before the last gradient
+    mine = [p.grad.clone() for p in params]
+    hand.finish()
+    for grad in mine:
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+    return {"max_diff": max((p.grad - g).abs().max().item() for p, g in zip(params, mine)),
+            "launched_while_backward": launched_while_backward, "buckets": len(buckets)}

@@ -64,3 +64,15 @@ def test_the_plot_shows_every_layout(tmp_path):
     bars, timeline = fig.axes
     assert [t.get_text().split("\n")[0] for t in bars.get_xticklabels()] == list(model.VARIANTS)
     assert "ms" in bars.get_ylabel() and "ms" in timeline.get_xlabel()
+
+
+def test_hand_buckets_average_gradients_and_launch_in_bucket_order():
+    from labkit.launcher import launch
+    from tests import rankfns
+
+    backward_order = launch(rankfns.hand_buckets_rank, 2, order="backward", timeout_s=120)[0]
+    assert backward_order["max_diff"] < 1e-6
+    assert backward_order["launched_while_backward"] == backward_order["buckets"] - 1
+    forward_order = launch(rankfns.hand_buckets_rank, 2, order="forward", timeout_s=120)[0]
+    assert forward_order["max_diff"] < 1e-6
+    assert forward_order["launched_while_backward"] == 0
