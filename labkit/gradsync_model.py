@@ -248,9 +248,9 @@ def print_table(result: GradSyncResult) -> None:
     """The learner's table: per rate and mode, measured ms per sample beside the model's; every column defined."""
     print(f"links: {result.mode_label}")
     print(f"one rank alone, no communication: {result.single_device.ms_per_sample:.3f} ms/sample (measured)")
-    print(f"{'rate':>18} {'mode':>23} {'syncs':>5} {'ms/sample':>10} {'model':>9} {'meas/model':>10}")
+    print(f"{'rate':>22} {'mode':>23} {'syncs':>5} {'ms/sample':>10} {'model':>9} {'meas/model':>10}")
     for row in result.rows:
-        print(f"{rate_label(row.rate_gbit):>18} {MODE_NAMES[row.mode]:>23} {syncs_per_step(row.mode, row.accumulation):>5d} "
+        print(f"{rate_label(row.rate_gbit):>22} {MODE_NAMES[row.mode]:>23} {syncs_per_step(row.mode, row.accumulation):>5d} "
               f"{row.ms_per_sample:>10.3f} {row.model_ms_per_sample:>9.3f} {row.measured_over_model:>10.2f}")
     for name, meaning in TABLE_COLUMNS:
         print(f"  {name}: {meaning}")
@@ -265,9 +265,9 @@ def print_bytes_table(result: GradSyncResult) -> None:
     """
     framed = result.wire_bytes_per_payload_byte
     print(f"framing (wire bytes per payload byte, whole run): {f'{framed:.4f}' if framed else 'not measured (no shaper)'}")
-    print(f"{'rate':>18} {'mode':>23} {'counted MB':>10} {'sent MB':>8} {'wire MB':>8} {'model MB':>8}")
+    print(f"{'rate':>22} {'mode':>23} {'counted MB':>10} {'sent MB':>8} {'wire MB':>8} {'model MB':>8}")
     for row in result.rows:
-        print(f"{rate_label(row.rate_gbit):>18} {MODE_NAMES[row.mode]:>23} {row.ring_bytes_per_step / 1e6:>10.3f} "
+        print(f"{rate_label(row.rate_gbit):>22} {MODE_NAMES[row.mode]:>23} {row.ring_bytes_per_step / 1e6:>10.3f} "
               f"{row.tx_bytes_per_step / 1e6:>8.3f} {row.wire_bytes_per_step / 1e6:>8.3f} "
               f"{row.model_ring_bytes_per_step / 1e6:>8.3f}")
     print("  per optimizer step, rank 0's node; counted: by the ranks' collective counter; sent: TCP payload on the "
