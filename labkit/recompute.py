@@ -131,6 +131,7 @@ class RecomputeResult:
     step_ms: dict[str, float]
     forward_ms: float
     method: str
+    timing: str
 
     def peak_ratio(self) -> float:
         return self.peak_bytes[KINDS[1]] / self.peak_bytes[KINDS[0]]
@@ -164,13 +165,22 @@ def _peak_bytes_here(model: nn.Sequential, x: torch.Tensor, kind: str) -> int:
 
 
 def _timed_ms(fn, device: torch.device) -> float:
+    """Wall time on a GPU; on the CPU the process's CPU time, which other programs' load does not stretch.
+
+    The CPU probe runs one thread, so its CPU time is the step's compute. Wall
+    time was not usable on this shared 2-core box: at load 4-5 the fastest of three
+    plain steps once came out at 451 ms against 200 ms quiet, and checkpointing
+    looked faster than keeping every activation.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+    start = time.process_time()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
+    return (time.process_time() - start) * 1e3
 
 
 def measure_here(size: RecomputeSize, device: str = "cpu") -> dict:
@@ -193,7 +203,8 @@ def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
     """Both kinds measured; on the CPU in a fresh single-threaded process (see the module docstring)."""
     if device.startswith("cuda"):
         got = measure_here(size, device)
-        return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"], "torch.cuda.max_memory_allocated")
+        return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"], "torch.cuda.max_memory_allocated",
+                               "wall clock")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "labkit.recompute", json.dumps(asdict(size))],
                          env=env, capture_output=True, text=True, timeout=600)
@@ -201,7 +212,7 @@ def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
         raise RuntimeError(f"checkpointing probe failed:\n{out.stderr[-2000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"],
-                           "resident-set high-water mark (VmHWM), fresh process")
+                           "resident-set high-water mark (VmHWM), fresh process", "CPU time of its one thread")
 
 
 def _main(argv: list[str]) -> None:

@@ -92,6 +92,8 @@ class RankMeasurement:
     init_ms: float = 0.0
     traffic: zero_traffic.StageTraffic | None = None
     """What this rank's node link carried per step (stages 0-3 on a fabric only)."""
+    step_peak_added_bytes: int | None = None
+    """Memory one step added above what the rank held between steps, at its peak (stages 0-3)."""
 
     @property
     def model_states(self) -> zero.ModelStateBytes:
@@ -105,6 +107,18 @@ class RankMeasurement:
     @property
     def offloaded(self) -> zero.ModelStateBytes:
         return zero.ModelStateBytes(*(self.host[r] for r in zero.STATE_KEYS[:3]))
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Every class of bytes the rank held between steps, accelerator plus host, buffers included."""
+        return {role: self.accelerator[role] + self.host[role] for role in zero_accounting.ROLES}
+
+    @property
+    def peak_during_step_bytes(self) -> int | None:
+        """What the rank held between steps plus what one step added at its peak."""
+        if self.step_peak_added_bytes is None:
+            return None
+        return sum(self.held.values()) + self.step_peak_added_bytes
 
     @property
     def median_step_ms(self) -> float:
@@ -274,6 +288,12 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
     on_links = {} if fab is None else dict(zip(plain, zero_traffic.measure_on_links(
         fab, [configs[i].stage for i in plain], [engines[i] for i in plain], [batches[i] for i in plain],
         _timed_step, traffic)))
+    if info.device == "cpu":
+        from labkit.zeropp_fabric import return_freed_memory_to_the_os
+
+        return_freed_memory_to_the_os(zero_accounting.OWN_MAPPING_BYTES)  # last: it slows every step after it
+    peaks = {i: zero_accounting.step_peak_added_bytes(lambda i=i: _train_step(engines[i], batches[i]), info.device)
+             for i in plain}
     results = []
     for i, (config, engine) in enumerate(zip(configs, engines)):
         accelerator, host = weighed[i]
@@ -284,6 +304,7 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
             dtype=dtype, accelerator=accelerator, host=host,
             optimizer_class=type(engine.basic_optimizer).__name__, step_ms=step_ms[i],
             update_ms=update_ms[i], init_ms=init_ms[i], traffic=on_links.get(i),
+            step_peak_added_bytes=peaks.get(i),
         ))
     for engine in engines:
         engine.destroy()

@@ -57,7 +57,7 @@ class TrafficSize:
 
 
 SIZES = {
-    "ci": TrafficSize(slow_gbit=0.1, timed_steps=3),
+    "ci": TrafficSize(slow_gbit=0.1, timed_steps=2),
     "gpu": TrafficSize(slow_gbit=0.1, timed_steps=3),
     "multi-gpu": TrafficSize(slow_gbit=0.1, timed_steps=3),
 }
