@@ -15,7 +15,6 @@ time, so the fastest run is the best estimate of what the hardware can do.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -36,6 +35,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 MEASUREMENT_TOLERANCE = 0.10
 """Two timings of the same traffic differ by run-to-run noise; no op beats the roof by more than this."""
+
+
+STREAM_LIKE_OPS = ("residual add", "relu")
+"""Ops that are STREAM kernels under another name once they write into a preallocated output: add, and scale."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,6 @@ def matmul_precision(dtype: str) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-ROOF_TILE = 256
-"""Square roof matmuls are sized in multiples of this (see :func:`square_size_for`)."""
 
 
 def best_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 1, repeats: int = 5) -> float:
@@ -145,6 +146,56 @@ def measure_bandwidth(device: torch.device | str, numel: int, dtype: str = "floa
     return BandwidthResult(result, numel, roofline.dtype_name(dtype))
 
 
+class MemoryRoof:
+    """The run's one memory roof: the best bandwidth any of its streaming measurements reached.
+
+    Every experiment of Lab 3 measures it again, taking turns with its own points,
+    and all of them read this one figure: on a shared machine a roof timed once, at
+    a busy moment, sits below what the ops of a quieter moment move (a run here
+    printed 31.6 GB/s at the start while its sweep's roof, timed later, reached 56).
+    The preallocated residual add and ReLU are STREAM's own add and scale kernels
+    under other names (:data:`STREAM_LIKE_OPS`), so their timings count too
+    (:meth:`include`): two timings of one kernel differ by the machine's noise, and
+    once the add ran 1.12x the roof its STREAM twin had set a moment before.
+    """
+
+    def __init__(self, numel: int, dtype: str = "float32", *, repeats: int = 5) -> None:
+        if numel < 1 or repeats < 1:
+            raise ValueError(f"numel and repeats must be >= 1, got {numel}, {repeats}")
+        self.numel, self.dtype, self.repeats = numel, dtype, repeats
+        self.best: BandwidthResult | None = None
+        self.streamed: dict[str, float] = {}
+        self.measurements = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        if self.best is None:
+            raise ValueError("the memory roof has not been measured yet: call measure(device) first")
+        return max([self.best.peak_bytes_per_s, *self.streamed.values()])
+
+    @property
+    def by_kernel_bytes_per_s(self) -> dict[str, float]:
+        """Each STREAM kernel's best, and each included op's: the roof is the largest."""
+        if self.best is None:
+            raise ValueError("the memory roof has not been measured yet: call measure(device) first")
+        return {**self.best.by_kernel_bytes_per_s, **self.streamed}
+
+    def measure(self, device: torch.device | str) -> float:
+        """One more STREAM measurement; the roof keeps the best so far and returns it."""
+        found = measure_bandwidth(device, self.numel, self.dtype, repeats=self.repeats)
+        self.measurements += 1
+        if self.best is None or found.peak_bytes_per_s > self.best.peak_bytes_per_s:
+            self.best = found
+        return self.bytes_per_s
+
+    def include(self, name: str, bytes_per_s: float) -> float:
+        """Count ``name``, a STREAM kernel under another name, timed at ``bytes_per_s``; returns the roof."""
+        if name not in STREAM_LIKE_OPS or not bytes_per_s > 0:
+            raise ValueError(f"name must be one of {STREAM_LIKE_OPS} and bytes_per_s > 0, got {name!r}, {bytes_per_s}")
+        self.streamed[name] = max(self.streamed.get(name, 0.0), bytes_per_s)
+        return self.bytes_per_s
+
+
 def measure_matmul_flops(device: torch.device | str, n: int, dtype: str = "float32", *, repeats: int = 5) -> float:
     """Best FLOP/s of square matmuls of size ``n/2`` and ``n``: the compute roof for ``dtype``.
 
@@ -171,12 +222,18 @@ class DevicePeaks:
     """This device's measured roofs."""
 
     device: str
-    bandwidth: BandwidthResult
+    roof: MemoryRoof
     matmul_flops_per_s: dict[str, float]
 
     @property
+    def bandwidth(self) -> BandwidthResult:
+        """The best STREAM measurement so far (later experiments may raise it)."""
+        assert self.roof.best is not None
+        return self.roof.best
+
+    @property
     def bandwidth_bytes_per_s(self) -> float:
-        return self.bandwidth.peak_bytes_per_s
+        return self.roof.bytes_per_s
 
     def ridge(self, dtype: str) -> float:
         return roofline.ridge_point(self.matmul_flops_per_s[roofline.dtype_name(dtype)], self.bandwidth_bytes_per_s)
@@ -189,16 +246,15 @@ def measure_peaks(device: torch.device | str | None = None, chosen: MicrobenchSi
     """Peak bandwidth and peak matmul FLOP/s per dtype, with a progress bar."""
     chosen = chosen or sizes()
     device = torch.device(device or profile().device)
+    roof = MemoryRoof(chosen.bandwidth_numel, repeats=chosen.repeats)
     steps = tqdm(["bandwidth", *chosen.matmul_n], desc="measuring peaks", leave=False)
-    bandwidth = None
     flops: dict[str, float] = {}
     for step in steps:
         if step == "bandwidth":
-            bandwidth = measure_bandwidth(device, chosen.bandwidth_numel, repeats=chosen.repeats)
+            roof.measure(device)
         else:
             flops[step] = measure_matmul_flops(device, chosen.matmul_n[step], step, repeats=chosen.repeats)
-    assert bandwidth is not None
-    return DevicePeaks(str(device), bandwidth, flops)
+    return DevicePeaks(str(device), roof, flops)
 
 
 @dataclass(frozen=True)
@@ -240,21 +296,35 @@ class OpSuite:
     ops: list[tuple[roofline.OpCost, Callable[[], object]]] = field(default_factory=list)
 
 
+ALLOCATING_ADD = "residual add (allocates)"
+"""``x + y`` as people write it: the same bytes as the residual add, plus a fresh output every call."""
+
+
 def transformer_ops(device: torch.device | str, chosen: MicrobenchSizes) -> OpSuite:
-    """Residual add, ReLU, softmax, LayerNorm at ``rows x cols``, and a sweep of square matmuls."""
+    """Residual add, ReLU, softmax, LayerNorm at ``rows x cols``, and a sweep of square matmuls.
+
+    The memory-bound ops write into one preallocated output, so their time is the
+    bytes they move. A fresh output per call (``x + y``) also pays for new memory:
+    on a CPU every page is faulted in on first touch, several times the cost of the
+    add itself; :data:`ALLOCATING_ADD` times that form beside the preallocated one.
+    """
     device = torch.device(device)
     dtype = roofline.dtype_name(chosen.op_dtype)
     tdtype = torch_dtype(dtype)
     rows, cols = chosen.op_numel_rows, chosen.op_numel_cols
     x = torch.randn(rows, cols, device=device).to(tdtype)
     y = torch.randn(rows, cols, device=device).to(tdtype)
-    norm = torch.nn.LayerNorm(cols, device=device, dtype=tdtype)
+    out = torch.empty_like(x)
+    weight, bias = torch.ones(cols, device=device, dtype=tdtype), torch.zeros(cols, device=device, dtype=tdtype)
+    stats = [torch.empty_like(t) for t in torch.native_layer_norm(x, [cols], weight, bias, 1e-5)[1:]]  # dtypes vary by device
     suite = OpSuite(device, dtype)
     suite.ops += [
-        (roofline.elementwise(rows * cols, dtype, inputs=2, name="residual add"), lambda: x + y),
-        (roofline.elementwise(rows * cols, dtype, name="relu"), lambda: torch.relu(x)),
-        (roofline.softmax(rows, cols, dtype), lambda: torch.softmax(x, dim=-1)),
-        (roofline.layer_norm(rows, cols, dtype), lambda: norm(x)),
+        (roofline.elementwise(rows * cols, dtype, inputs=2, name="residual add"), lambda: torch.add(x, y, out=out)),
+        (roofline.elementwise(rows * cols, dtype, name="relu"), lambda: torch.clamp(x, min=0, out=out)),
+        (roofline.softmax(rows, cols, dtype), lambda: torch.softmax(x, -1, out=out)),
+        (roofline.layer_norm(rows, cols, dtype), lambda: torch.ops.aten.native_layer_norm.out(
+            x, [cols], weight, bias, 1e-5, out0=out, out1=stats[0], out2=stats[1])),
+        (roofline.elementwise(rows * cols, dtype, inputs=2, name=ALLOCATING_ADD), lambda: x + y),
     ]
     for n in chosen.matmul_sweep:
         a = torch.randn(n, n, device=device).to(tdtype)
@@ -263,13 +333,28 @@ def transformer_ops(device: torch.device | str, chosen: MicrobenchSizes) -> OpSu
     return suite
 
 
-def measure_ops(device: torch.device | str | None = None, chosen: MicrobenchSizes | None = None) -> list[OpMeasurement]:
+def measure_ops(device: torch.device | str | None = None, chosen: MicrobenchSizes | None = None,
+                roof: MemoryRoof | None = None, *, rounds: int = 2) -> list[OpMeasurement]:
+    """Each op's best time over ``rounds``; with a ``roof``, it is measured again in every round, in turn
+    with the ops, so they are compared with a roof that saw the same moments of a shared machine."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     chosen = chosen or sizes()
     device = torch.device(device or profile().device)
     suite = transformer_ops(device, chosen)
-    with torch.inference_mode():
-        return [measure_op(cost, fn, device, repeats=chosen.repeats)
-                for cost, fn in tqdm(suite.ops, desc="timing ops", leave=False)]
+    best = [float("inf")] * len(suite.ops)
+    with torch.inference_mode(), tqdm(total=rounds * len(suite.ops), desc="timing ops", leave=False) as steps:
+        for _ in range(rounds):
+            if roof is not None:
+                roof.measure(device)
+            for i, (_, fn) in enumerate(suite.ops):
+                best[i] = min(best[i], best_ms(fn, device, repeats=chosen.repeats))
+                steps.update()
+    measured = [OpMeasurement(cost, ms) for (cost, _), ms in zip(suite.ops, best)]
+    for m in measured:
+        if roof is not None and m.cost.name in STREAM_LIKE_OPS:
+            roof.include(m.cost.name, m.bytes_per_s)
+    return measured
 
 
 def memory_bound_ops(measurements: list[OpMeasurement], ridge: float) -> list[OpMeasurement]:
@@ -313,107 +398,3 @@ def plain_copy_bytes_per_s(device: torch.device | str, numel: int, *, iterations
         dst.copy_(src)
     synchronize(device)
     return 2 * 4 * numel * iterations / (time.perf_counter() - start)
-
-
-@dataclass(frozen=True)
-class IntensitySweep:
-    """One kind of op at rising intensity, measured: does it climb the memory roof and flatten at compute?"""
-
-    points: list[OpMeasurement]
-    peak_flops_per_s: float
-    bandwidth_bytes_per_s: float
-
-    @property
-    def ridge(self) -> float:
-        return roofline.ridge_point(self.peak_flops_per_s, self.bandwidth_bytes_per_s)
-
-    def crossover_intensity(self, share: float = 0.5) -> float:
-        """The lowest swept intensity whose achieved FLOP/s reaches ``share`` of the measured compute peak.
-
-        On the roofline an op reaches half the peak at half the ridge; a real
-        kernel gets there later, so this is where the climb measurably turns into
-        the flat part. ``inf`` if no point got there.
-        """
-        if not 0 < share <= 1:
-            raise ValueError(f"share must be in (0, 1], got {share}")
-        reached = [p.cost.intensity for p in self.points if p.flops_per_s >= share * self.peak_flops_per_s]
-        return min(reached, default=float("inf"))
-
-    def climb(self) -> float:
-        """Achieved FLOP/s of the most intense point over the least intense one."""
-        return self.points[-1].flops_per_s / self.points[0].flops_per_s
-
-    def over_memory_roof(self) -> list[OpMeasurement]:
-        """Points below the ridge that beat intensity x bandwidth by more than the noise: a wrong byte count."""
-        return [p for p in self.points if p.cost.intensity < self.ridge
-                and p.flops_per_s > p.cost.intensity * self.bandwidth_bytes_per_s * (1 + MEASUREMENT_TOLERANCE)]
-
-
-def intensity_sweep(device: torch.device | str, dtype: str | None = None,
-                    chosen: MicrobenchSizes | None = None, *, rounds: int = 3) -> IntensitySweep:
-    """``x [M, K] @ w [K, K]`` for rising K, with ``M * K`` fixed.
-
-    Every call moves about the same bytes (x in, the result out) while its FLOPs
-    grow with K, so intensity is about K / (2 x element size): a knob from far
-    below the ridge to far above it, with one kernel per call. Memory-bound
-    points should climb with intensity and compute-bound ones flatten at the
-    compute roof. A real kernel turns later than the roofline's corner: how
-    much later is what this measures.
-
-    The two roofs are measured here, taking turns with the points round by round,
-    and each item keeps its best round. Roofs timed a minute earlier on a shared
-    machine can be ones no point of a busier minute reaches: a CI run found no
-    point at half a compute roof measured before the sweep. The compute roof is a
-    square matmul doing as many FLOPs as the widest point: beside a busy process,
-    the best of a few short matmuls lands in a quiet slice that long ones never
-    get (beside a busy process on 2 cores, 512 x 512 matmuls reached 184-202
-    GFLOP/s, 2048 x 2048 ones 90-93, the widest point 86-94).
-    """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    chosen = chosen or sizes()
-    dtype = roofline.dtype_name(dtype or chosen.op_dtype)
-    device = torch.device(device)
-    roof_n = square_size_for(_skinny_matmul_cost(chosen, max(chosen.intensity_widths), dtype).flops)
-    best_point_ms = [float("inf")] * len(chosen.intensity_widths)
-    compute_roof = bandwidth = 0.0
-    steps = tqdm(total=rounds * (len(chosen.intensity_widths) + 1), desc="intensity sweep", leave=False)
-    with steps:
-        for _ in range(rounds):
-            compute_roof = max(compute_roof, square_matmul_flops(device, roof_n, dtype, repeats=chosen.repeats))
-            bandwidth = max(bandwidth, measure_bandwidth(device, chosen.bandwidth_numel,
-                                                         repeats=chosen.repeats).peak_bytes_per_s)
-            steps.update()
-            for i, width in enumerate(chosen.intensity_widths):
-                best_point_ms[i] = min(best_point_ms[i], _time_skinny_matmul(device, chosen, width, dtype))
-                steps.update()
-    points = [OpMeasurement(_skinny_matmul_cost(chosen, width, dtype), ms)
-              for width, ms in zip(chosen.intensity_widths, best_point_ms)]
-    # The compute roof is the best FLOP/s any measurement reached (as in measure_matmul_flops).
-    peak = max(compute_roof, *(p.flops_per_s for p in points))
-    return IntensitySweep(points, peak, bandwidth)
-
-
-def square_size_for(flops: float) -> int:
-    """The smallest multiple of ``ROOF_TILE`` whose square matmul does at least ``flops``.
-
-    Sizes off the BLAS blocking run slower: a 1626 x 1626 matmul reached 141 GFLOP/s
-    here, 1536 and 1792 reached 191-199.
-    """
-    return ROOF_TILE * math.ceil((flops / 2) ** (1 / 3) / ROOF_TILE)
-
-
-def _skinny_matmul_cost(chosen: MicrobenchSizes, width: int, dtype: str) -> roofline.OpCost:
-    rows = max(1, chosen.intensity_elements // width)
-    return roofline.matmul(rows, width, width, dtype)
-
-
-def _time_skinny_matmul(device: torch.device, chosen: MicrobenchSizes, width: int, dtype: str) -> float:
-    """Best ms of ``x [M, width] @ w [width, width]`` with ``M * width`` = ``intensity_elements``."""
-    rows = max(1, chosen.intensity_elements // width)
-    tdtype = torch_dtype(dtype)
-    with torch.inference_mode(), matmul_precision(dtype):
-        x = torch.randn(rows, width, device=device).to(tdtype)
-        w = torch.randn(width, width, device=device).to(tdtype)
-        out = torch.empty(rows, width, device=device, dtype=tdtype)
-        return best_ms(lambda: torch.matmul(x, w, out=out), device, repeats=chosen.repeats)

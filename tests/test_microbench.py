@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit import microbench, roofline
+from labkit import intensity_sweep, microbench, roofline
 
 TINY = microbench.MicrobenchSizes(
     bandwidth_numel=2**20,
@@ -39,7 +39,7 @@ def test_measured_matmul_peaks_are_per_dtype_and_give_a_ridge(peaks):
 def test_every_op_carries_the_model_cost_and_a_positive_time():
     measured = microbench.measure_ops("cpu", TINY)
     names = [m.cost.name for m in measured]
-    assert names[:4] == ["residual add", "relu", "softmax", "layer_norm"]
+    assert names[:5] == ["residual add", "relu", "softmax", "layer_norm", microbench.ALLOCATING_ADD]
     assert all(m.ms > 0 for m in measured)
     add = measured[0]
     assert add.bytes_per_s == pytest.approx(add.cost.bytes_moved / (add.ms / 1e3))
@@ -76,7 +76,7 @@ def test_unsupported_dtype_and_bad_sizes_are_refused():
 
 
 def test_the_intensity_sweep_moves_the_same_bytes_at_rising_flops():
-    sweep = microbench.intensity_sweep("cpu", "float32", TINY, rounds=2)
+    sweep = intensity_sweep.measure("cpu", "float32", TINY, rounds=2)
     intensities = [p.cost.intensity for p in sweep.points]
     assert intensities == sorted(intensities) and len(intensities) == len(TINY.intensity_widths)
     moved = [p.cost.bytes_moved for p in sweep.points]
@@ -84,27 +84,71 @@ def test_the_intensity_sweep_moves_the_same_bytes_at_rising_flops():
     assert sweep.peak_flops_per_s >= max(p.flops_per_s for p in sweep.points)
     assert sweep.bandwidth_bytes_per_s > 0
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
-        microbench.intensity_sweep("cpu", "float32", TINY, rounds=0)
+        intensity_sweep.measure("cpu", "float32", TINY, rounds=0)
 
 
 def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_flagged():
     def point(intensity, ms):   # intensity * 1e6 FLOPs over 1e6 bytes in ms
         return microbench.OpMeasurement(roofline.OpCost("op", intensity * 1e6, 1e6, "float32"), ms)
 
-    sweep = microbench.IntensitySweep([point(1, 100.0), point(10, 100.0), point(100, 100.0)],
+    sweep = intensity_sweep.IntensitySweep([point(1, 100.0), point(10, 100.0), point(100, 100.0)],
                                       peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e8)
     assert sweep.ridge == 10
     assert sweep.crossover_intensity() == 100      # 1e7, 1e8, 1e9 FLOP/s: only the last reaches 5e8
     assert sweep.climb() == pytest.approx(100)
     assert sweep.over_memory_roof() == []
     beater = point(1, 1.0)                         # 1e9 FLOP/s at intensity 1: 10x the memory roof
-    assert microbench.IntensitySweep([beater], 1e9, 1e8).over_memory_roof() == [beater]
-    assert microbench.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
+    assert intensity_sweep.IntensitySweep([beater], 1e9, 1e8).over_memory_roof() == [beater]
+    assert intensity_sweep.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
     with pytest.raises(ValueError, match="share must be in"):
         sweep.crossover_intensity(0)
 
 
 def test_the_roof_matmul_does_at_least_the_widest_points_flops_on_a_blocking_multiple():
-    assert microbench.square_size_for(2 * 1024**3) == 1024
-    assert microbench.square_size_for(2 * 1025**3) == 1280
-    assert microbench.square_size_for(8.6e9) == 1792      # CI's widest point: 2 x 16384 x 512 x 512
+    assert intensity_sweep.square_size_for(2 * 1024**3) == 1024
+    assert intensity_sweep.square_size_for(2 * 1025**3) == 1280
+    assert intensity_sweep.square_size_for(8.6e9) == 1792      # CI's widest point: 2 x 16384 x 512 x 512
+
+
+def test_the_memory_roof_keeps_the_best_measurement_and_every_experiment_can_raise_it(monkeypatch):
+    roof = microbench.MemoryRoof(2**16, repeats=1)
+    with pytest.raises(ValueError, match="not been measured yet"):
+        roof.bytes_per_s
+    found = iter([3e9, 5e9, 4e9])
+    monkeypatch.setattr(microbench, "measure_bandwidth", lambda device, numel, dtype, *, repeats: (
+        microbench.BandwidthResult({"copy": next(found)}, numel, dtype)))
+    assert [roof.measure("cpu") for _ in range(3)] == [3e9, 5e9, 5e9]
+    assert roof.measurements == 3
+    with pytest.raises(ValueError, match="numel and repeats must be >= 1"):
+        microbench.MemoryRoof(0)
+
+
+def test_ops_and_the_sweep_measure_the_one_roof_in_turns_with_their_points():
+    roof = microbench.MemoryRoof(TINY.bandwidth_numel, repeats=1)
+    microbench.measure_ops("cpu", TINY, roof, rounds=2)
+    assert roof.measurements == 2
+    sweep = intensity_sweep.measure("cpu", "float32", TINY, rounds=2, roof=roof)
+    assert roof.measurements == 4 and sweep.bandwidth_bytes_per_s == roof.bytes_per_s
+
+
+def test_the_preallocated_ops_compute_what_their_usual_forms_do():
+    def result(fn):
+        out = fn()
+        return (out[0] if isinstance(out, tuple) else out).clone()
+
+    got = {cost.name: result(fn) for cost, fn in microbench.transformer_ops("cpu", TINY).ops[:5]}
+    assert torch.equal(got["residual add"], got[microbench.ALLOCATING_ADD])
+    assert (got["relu"] >= 0).all() and (got["relu"] == 0).any()
+    assert torch.allclose(got["softmax"].sum(dim=-1), torch.ones(TINY.op_numel_rows))
+    assert torch.allclose(got["layer_norm"].mean(dim=-1), torch.zeros(TINY.op_numel_rows), atol=1e-5)
+
+
+def test_stream_kernels_under_other_names_can_raise_the_roof(monkeypatch):
+    monkeypatch.setattr(microbench, "measure_bandwidth", lambda device, numel, dtype, *, repeats: (
+        microbench.BandwidthResult({"add": 4e9}, numel, dtype)))
+    roof = microbench.MemoryRoof(2**16, repeats=1)
+    roof.measure("cpu")
+    assert roof.include("residual add", 4.4e9) == 4.4e9 and roof.by_kernel_bytes_per_s["residual add"] == 4.4e9
+    assert roof.include("relu", 3e9) == 4.4e9
+    with pytest.raises(ValueError, match="name must be one of"):
+        roof.include("softmax", 5e9)

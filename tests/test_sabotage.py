@@ -237,7 +237,20 @@ SABOTAGES = [
         fusion.fused_chain = lambda method, hidden, dtype: (
             lambda x, bias, residual, scale, out: fusion.unfused_chain(x, bias, residual, scale, out, torch.empty_like(x)))
     """, fails_at="cd563271", says="fused",
-             needs=('acb2cc6c',)),
+             needs=('acb2cc6c', '2edeefe8')),
+    Sabotage("03_memory_movement", "memory-bound ops timed with a fresh output every call", """
+        import torch
+        from labkit import microbench
+        _ops = microbench.transformer_ops
+        def _allocating(device, chosen):
+            suite = _ops(device, chosen)
+            x = torch.randn(chosen.op_numel_rows, chosen.op_numel_cols, device=device)
+            y = torch.randn_like(x)
+            suite.ops[:2] = [(suite.ops[0][0], lambda: x + y), (suite.ops[1][0], lambda: torch.relu(x))]
+            return suite
+        microbench.transformer_ops = _allocating
+    """, fails_at="0af13c21", says="streams at most of the memory roof",
+             needs=('acb2cc6c', '2edeefe8', 'b3329a8a', '0ca551fd')),
     Sabotage("03_memory_movement", "the overlapped pipeline copies and computes in turn", """
         from labkit import overlap
         overlap.overlapped_pipeline = overlap.serial_pipeline

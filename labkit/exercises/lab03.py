@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from labkit import microbench, overlap
+from labkit import intensity_sweep, overlap
 from labkit.exercises import Verdict, check_code, predict
 
 Roof = Callable[[float, float, float], float]
@@ -15,9 +15,9 @@ Roof = Callable[[float, float, float], float]
 
 def half_link(result: overlap.OverlapResult, sizes: overlap.OverlapSizes, prediction,
               device: torch.device | str = "cpu") -> Verdict | None:
-    """Exercise 3.1: the overlapped pipeline's time with the emulated link at half its rate."""
+    """Exercise 3.2: the overlapped pipeline's time with the emulated link at half its rate."""
     if sizes.link_bytes_per_s is None or torch.device(device).type != "cpu":
-        print("Exercise 3.1 changes the emulated link's rate; here the link is real (a GPU's host link), so "
+        print("Exercise 3.2 changes the emulated link's rate; here the link is real (a GPU's host link), so "
               "there is nothing to halve. Try it on a CPU profile.")
         return None
     slower = replace(sizes, link_bytes_per_s=sizes.link_bytes_per_s / 2)
@@ -31,13 +31,13 @@ def half_link(result: overlap.OverlapResult, sizes: overlap.OverlapSizes, predic
                 f"{compute_ms:.2f} ms (measured serially). Overlapped, {slower_side} sets the pace: one copy to "
                 f"start, then {sizes.batches - 1} x max(copy, compute), then the last compute.")
 
-    return predict("3.1", prediction, what=f"the overlapped time in ms at {slower.link_bytes_per_s / 1e9:g} GB/s",
+    return predict("3.2", prediction, what=f"the overlapped time in ms at {slower.link_bytes_per_s / 1e9:g} GB/s",
                    measure=lambda: overlap.compare(device, slower).overlapped.total_ms,
                    context=(result, slower), tolerance=0.15, unit="ms", explain=explain)
 
 
-def roof(sweep: microbench.IntensitySweep, answer) -> bool | None:
-    """Exercise 3.2: ``attainable(intensity, peak_flops_per_s, bandwidth_bytes_per_s)`` against this device's
+def roof(sweep: intensity_sweep.IntensitySweep, answer) -> bool | None:
+    """Exercise 3.1: ``attainable(intensity, peak_flops_per_s, bandwidth_bytes_per_s)`` against this device's
     measured sweep: no measured point above it, and never above the measured roofs."""
     peak, bandwidth = sweep.peak_flops_per_s, sweep.bandwidth_bytes_per_s
 
@@ -55,5 +55,5 @@ def roof(sweep: microbench.IntensitySweep, answer) -> bool | None:
                         f"{peak / 1e9:.1f}")
         return None
 
-    return check_code("3.2", answer, what="a function attainable(intensity, peak_flops_per_s, "
+    return check_code("3.1", answer, what="a function attainable(intensity, peak_flops_per_s, "
                       "bandwidth_bytes_per_s) -> FLOP/s", test=test)

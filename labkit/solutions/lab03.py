@@ -20,10 +20,10 @@ def _serial_ms(result, slower) -> float:
     return slower.batches * sum(_per_batch_ms(result, slower))
 
 
-EX_3_1 = Answer(right=_overlapped_ms, wrong=_serial_ms,
+EX_3_2 = Answer(right=_overlapped_ms, wrong=_serial_ms,
                 wrong_because="adds copy and compute for every batch: the serial pipeline, not the overlapped one")
 
-EX_3_2 = Answer(
+EX_3_1 = Answer(
     right=roofline.attainable_flops_per_s,
     wrong=lambda intensity, peak, bandwidth: intensity * bandwidth,
     wrong_because="the memory roof alone: past the ridge the compute units cap FLOP/s",
