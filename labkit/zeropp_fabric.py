@@ -39,14 +39,16 @@ from labkit.zeropp_model import FP32_REFERENCE, TIMED, UNSHAPED_GBIT, VARIANTS, 
 
 @dataclass(frozen=True)
 class FabricSizes:
-    """An MLP of layer widths ``dims``, timed ``timed_steps`` steps at each of ``micro_batches`` and each
-    link rate in ``rates_gbit``, then trained ``train_steps`` steps (at the first micro-batch)."""
+    """An MLP of layer widths ``dims``, timed ``timed_steps`` steps at the first of ``micro_batches`` and
+    ``big_timed_steps`` (default ``timed_steps``) at the others, at each link rate in ``rates_gbit``, then
+    trained ``train_steps`` steps (at the first micro-batch)."""
 
     dims: tuple[int, ...]
     micro_batches: tuple[int, ...]
     rates_gbit: tuple[float, ...]
     timed_steps: int
     train_steps: int
+    big_timed_steps: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.dims) < 2 or min(self.dims) < 1:
@@ -56,16 +58,27 @@ class FabricSizes:
         if not all(r > 0 for r in self.rates_gbit):
             raise ValueError(f"rates_gbit must all be > 0, got {self.rates_gbit}")
         require_at_least(self, 1, "timed_steps", "train_steps")
+        if self.big_timed_steps is not None and self.big_timed_steps < 1:
+            raise ValueError(f"FabricSizes.big_timed_steps must be >= 1 or None, got {self.big_timed_steps}")
 
 
-# ci trains 10 steps: the loss is the same every run (same seeds), and after 10 steps it is 0.29x the first
-# (asserted < 0.5x) with ZeRO++ 0.27% from ZeRO-3 (asserted <= 5%); 20 steps cost 4 s more for 0.25x.
-# ci times 2 steps per point: ZeRO-3 on the slowest link came out at 0.97-1.06x the model in four runs
-# (0.7-1.15x asserted), as with 3 (1.00x, 1.10x), and each timed step costs ~7 s of the lab.
+# The sizes set compute beside the link: a 0.5M-parameter MLP whose small micro-batch (4) leaves the step to
+# the link and whose big one (2048) gives it compute of the order of ZeRO-3's link time at the middle rate, so
+# ZeRO++'s gain shrinks with the micro-batch (zeropp_speedup.MICRO_BATCH_FLOOR). Before, micro-batches 4 and
+# 256 of a 2.1M-parameter MLP changed the step 1.1-1.5x and ZeRO++'s gain barely moved (2.74x against 2.88x).
+# Rates below 0.1 Gbit/s keep the link time near a second with 4x fewer bytes, and the lab's time near what it
+# was (labkit run 6: 87-93 s here, 92 s before; the fabric cell 49 s, as before).
+# ci trains 10 steps: the loss after 10 steps is 0.34x the first (asserted < 0.5x), ZeRO++ 0.66% from ZeRO-3.
+# ci times the median of 3 steps at the small micro-batch and of 2 at the big one (a big step costs 1-2 s): with
+# 2 steps each the unshaped small step (the model's compute) once came out 181/386 ms against 55-160 ms in
+# other runs, under load 4-6. ZeRO-3 on the slowest link came to 0.83-1.16x the model over 15 runs at load
+# 3-6.6 (0.94-1.16x in the 5 with 3 steps): the same bytes at the same rate took 1.03-1.25 s from step to
+# step, and twice, at load 5.3-5.6, the median sat above the band (1.16x); at 0.0125 Gbit/s it was no better
+# (0.98-1.21x in 3 runs).
 SIZES = {
-    "ci": FabricSizes(dims=(512, 1024, 1024, 512), micro_batches=(4, 256), rates_gbit=(0.1, 1.0, 4.0),
-                      timed_steps=2, train_steps=10),
-    "gpu": FabricSizes(dims=(512, 1024, 1024, 512), micro_batches=(4, 256), rates_gbit=(0.1, 1.0, 4.0),
+    "ci": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 2048), rates_gbit=(0.025, 0.05, 0.2),
+                      timed_steps=3, train_steps=10, big_timed_steps=2),
+    "gpu": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 2048), rates_gbit=(0.025, 0.05, 0.2),
                        timed_steps=5, train_steps=40),
     "multi-gpu": FabricSizes(dims=(1024, 2048, 2048, 1024), micro_batches=(8, 1024), rates_gbit=(0.1, 1.0, 4.0),
                              timed_steps=5, train_steps=60),
@@ -174,6 +187,7 @@ def lab_rank(
     rates_gbit: tuple[float, ...],
     timed_steps: int,
     train_steps: int,
+    big_timed_steps: int | None = None,
     ranks_per_node: int = 2,
     weight_bits: int = 8,
     grad_bits: int = 4,
@@ -209,9 +223,10 @@ def lab_rank(
     timed = {name: jobs[name] for name in TIMED}
     for micro_batch in micro_batches:
         xb, yb = zeropp.batch(dims, teacher, micro_batch, seed=20_000 + rank)
+        steps = timed_steps if micro_batch == micro_batches[0] else big_timed_steps or timed_steps
         for gbit in (UNSHAPED_GBIT, *rates_gbit):
             links.set_rate(gbit)
-            for name, t in _time_steps(timed, xb, yb, links, timed_steps).items():
+            for name, t in _time_steps(timed, xb, yb, links, steps).items():
                 result["timing"][name, micro_batch, gbit] = t
     links.set_rate(UNSHAPED_GBIT)
     result["grad_error"] = zeropp.gradient_error(jobs[FP32_REFERENCE], x, y)

@@ -34,9 +34,10 @@ averages 6-11), 0.97-1.06x in four more, and 0.81-1.00x in 8 earlier runs at
 0.25 Gbit/s (load 5-16). Measured times tend to fall below the model because ranks
 waiting on the link leave the cores to the others, so compute gets cheaper than on
 the unshaped link. At faster links compute noise dominates (0.5-1.4x, up to 3x in a
-load spike), so no band is held there. The win of ZeRO++ on the slowest link was not
-consistently smaller at the big micro-batch on that box (3 repeats: 1.52x, 2.21x,
-2.10x at micro-batch 4 against 1.60x, 2.26x, 1.83x at 256), so it is printed, not held.
+load spike), so no band is held there. With the sizes that show the micro-batch effect
+(0.5M parameters, 0.025 Gbit/s slowest; :data:`labkit.zeropp_fabric.SIZES`): 0.83-1.16x
+in 15 runs at load 3-6.6, twice just above the band (1.16x, load 5.3-5.6), where the
+same bytes at the same rate took up to 1.25x as long from one step to the next.
 """
 
 

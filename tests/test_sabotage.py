@@ -108,6 +108,13 @@ TRIM_LAB6_BYTES_ONLY = """
                                                      micro_batches=size.micro_batches[:1], timed_steps=1, train_steps=1)
                            for name, size in zeropp_fabric.SIZES.items()}
 """
+TRIM_LAB6_MIDDLE_RATE = """
+    import dataclasses
+    from labkit import zeropp_fabric
+    zeropp_fabric.SIZES = {name: dataclasses.replace(size, rates_gbit=(size.rates_gbit[len(size.rates_gbit) // 2],),
+                                                     train_steps=1)
+                           for name, size in zeropp_fabric.SIZES.items()}
+"""
 
 
 SABOTAGES = [
@@ -335,6 +342,12 @@ SABOTAGES = [
             quantcomm.all_gather_plain(shard, group=group, comm_dtype=torch.float32))
     """, fails_at="bytes-asserts-06", says="int8 weights on the wire",
              needs=("de64dbe2", "fabric-run-06", "bytes-table-06"), trim=TRIM_LAB6_BYTES_ONLY),
+    Sabotage("06_quantized_collectives", "the big micro-batch computes only four samples", """
+        from labkit import zeropp
+        _batch = zeropp.batch
+        zeropp.batch = lambda dims, teacher, size, seed: _batch(dims, teacher, min(size, 4), seed)
+    """, fails_at="microbatch-06", says="must shrink with a bigger micro-batch",
+             needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_MIDDLE_RATE),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
         from labkit import savers
         _save = savers.AsyncSaver.save
