@@ -93,6 +93,9 @@ class RankMeasurement:
     traffic: zero_traffic.StageTraffic | None = None
     """What this rank's node link carried per step (stages 0-3 on a fabric only)."""
     step_peak_added_bytes: int | None = None
+    forward_ms: list[float] = field(default_factory=list)
+    collective_calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Calls of each collective in one step, by phase (forward, backward, step)."""
     """Memory one step added above what the rank held between steps, at its peak (stages 0-3)."""
 
     @property
@@ -119,6 +122,11 @@ class RankMeasurement:
         if self.step_peak_added_bytes is None:
             return None
         return sum(self.held.values()) + self.step_peak_added_bytes
+
+    def best_phase_ms(self) -> dict[str, float]:
+        """Fastest forward, backward (with what it communicates) and optimizer step over the timed steps."""
+        backward = [w - f - u for w, f, u in zip(self.step_ms, self.forward_ms, self.update_ms)]
+        return {"forward": min(self.forward_ms), "backward": min(backward), "step": min(self.update_ms)}
 
     @property
     def median_step_ms(self) -> float:
@@ -273,17 +281,22 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
         engines.append(engine)
         batches.append(batch)
         init_ms.append(init.ms)
-    step_ms = [[] for _ in configs]
-    update_ms = [[] for _ in configs]
-    for _ in range(size.steps):
+    step_ms, forward_ms, update_ms = ([[] for _ in configs] for _ in range(3))
+    calls = [{} for _ in configs]
+    for round_ in range(size.steps):
         for i, (engine, batch) in enumerate(zip(engines, batches)):
-            with Stopwatch(engine.device) as whole:
-                loss = engine(batch).float().pow(2).mean()
+            with zero_traffic.counted_collectives() as counted, Stopwatch(engine.device) as whole:
+                with Stopwatch(engine.device) as forward:
+                    loss = engine(batch).float().pow(2).mean()
+                counted.phase = "backward"
                 engine.backward(loss)
+                counted.phase = "step"
                 with Stopwatch(engine.device) as update:
                     engine.step()
             step_ms[i].append(whole.ms)
+            forward_ms[i].append(forward.ms)
             update_ms[i].append(update.ms)
+            calls[i] = calls[i] or counted.calls
     plain = [i for i, config in enumerate(configs) if not config.offloaded]
     on_links = {} if fab is None else dict(zip(plain, zero_traffic.measure_on_links(
         fab, [configs[i].stage for i in plain], [engines[i] for i in plain], [batches[i] for i in plain],
@@ -303,7 +316,8 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
                            for p in engine.module.parameters()),
             dtype=dtype, accelerator=accelerator, host=host,
             optimizer_class=type(engine.basic_optimizer).__name__, step_ms=step_ms[i],
-            update_ms=update_ms[i], init_ms=init_ms[i], traffic=on_links.get(i),
+            update_ms=update_ms[i], init_ms=init_ms[i], traffic=on_links.get(i), forward_ms=forward_ms[i],
+            collective_calls=calls[i],
             step_peak_added_bytes=peaks.get(i),
         ))
     for engine in engines:

@@ -10,12 +10,14 @@ its node's tbf-shaped link, and the kernel counts it. Nothing here counts bytes
 itself or sleeps: the link rate is a real shaper's, the bytes are the link's
 counters (as in Labs 5 and 6).
 
-The ring model is the paper's. What a backend sends for one collective is measured
-too, on the same links, because it need not be the ring's: gloo's reduce-scatter
-sent as many bytes as an all-reduce of the same tensor (16.0 MB per rank for a
-16 MB tensor on 2 ranks, where a ring sends 8.0), so on CPU ranks DeepSpeed's
-gradient reduction at stages 1-3 costs an all-reduce's bytes. The backend model
-is the same list of collectives priced at those measured bytes per message byte.
+The ring model is the paper's. The engine's model is what DeepSpeed issues
+(:data:`DEEPSPEED_OPS`, checked against the calls :func:`counted_collectives`
+counts) priced at what this backend was measured to send for one call of each,
+on the same links. Both differ from the paper here: DeepSpeed reduces each
+gradient bucket of stages 1-2 with an all-reduce (``use_multi_rank_bucket_allreduce``,
+on by default), and gloo's reduce-scatter, which stage 3 uses, sent as many bytes
+as an all-reduce of the same tensor (16.0 MB per rank for a 16 MB tensor on 2
+ranks, where a ring sends 8.0).
 
 Then the links are slowed, and each stage's step time is set beside the model:
 the step on a fast link plus the bytes a rank sent over the slow link's rate.
@@ -23,8 +25,9 @@ the step on a fast link plus the bytes a rank sent over the slow link's rate.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from labkit import zero
 from labkit.collectives import ring_bytes_per_rank
@@ -40,6 +43,14 @@ RING_OPS = {
     3: ("all_gather", "all_gather", "reduce_scatter"),
 }
 """The collectives of one step over the whole model, by stage (ZeRO paper, section 7)."""
+
+DEEPSPEED_OPS = {
+    0: ("all_reduce",),
+    1: ("all_reduce", "all_gather"),
+    2: ("all_reduce", "all_gather"),
+    3: ("all_gather", "all_gather", "reduce_scatter"),
+}
+"""What DeepSpeed's engines issue over the whole model per step, by stage (counted here with deepspeed 0.19)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +90,9 @@ def modelled_bytes_per_rank(num_params: int, stage: int, ranks: int, bytes_per_e
                             sent_per_message_byte: dict[str, float] | None = None) -> float:
     """Bytes one rank sends per step: the stage's collectives over the whole model.
 
-    Priced by the ring algorithm (2(N-1)/N of the model at stages 0-2, 3(N-1)/N at
-    stage 3) or, given ``sent_per_message_byte``, at what a backend was measured to send.
+    Without ``sent_per_message_byte``, the paper's collectives (:data:`RING_OPS`) priced
+    by the ring algorithm (2(N-1)/N of the model at stages 0-2, 3(N-1)/N at stage 3);
+    with it, DeepSpeed's (:data:`DEEPSPEED_OPS`) at what a backend was measured to send.
     """
     zero.model_state_bytes(num_params, stage, ranks)  # refuses a bad stage, rank count or size
     if bytes_per_elem < 1:
@@ -88,7 +100,7 @@ def modelled_bytes_per_rank(num_params: int, stage: int, ranks: int, bytes_per_e
     message = num_params * bytes_per_elem
     if sent_per_message_byte is None:
         return sum(ring_bytes_per_rank(op, message, ranks) for op in RING_OPS[stage])
-    return sum(sent_per_message_byte[op] * message for op in RING_OPS[stage])
+    return sum(sent_per_message_byte[op] * message for op in DEEPSPEED_OPS[stage])
 
 
 def link_ms(sent_bytes: float, gbit: float) -> float:
@@ -106,6 +118,53 @@ def modelled_step_ms_range(fast_step_ms: float, sent_bytes: float, gbit: float) 
     """
     sending = link_ms(sent_bytes, gbit)
     return max(fast_step_ms, sending), fast_step_ms + sending
+
+
+COUNTED_OPS = ("all_reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
+               "reduce", "broadcast", "all_reduce_coalesced", "allgather_fn")
+
+
+class CollectiveCalls:
+    """Calls of each collective, by the phase of the step the caller says it is in."""
+
+    def __init__(self) -> None:
+        self.phase = "forward"
+        self.calls: dict[str, dict[str, int]] = {}
+
+    def count(self, op: str) -> None:
+        by_op = self.calls.setdefault(self.phase, {})
+        by_op[op] = by_op.get(op, 0) + 1
+
+
+@contextlib.contextmanager
+def counted_collectives() -> Iterator[CollectiveCalls]:
+    """Count the collectives a DeepSpeed engine issues, at DeepSpeed's communication backend.
+
+    DeepSpeed's engines call ``deepspeed.comm``, which hands every call to one
+    backend object; counting there sees the calls however DeepSpeed bound the
+    torch functions when it started (a wrapper on ``torch.distributed`` set later
+    misses stages 1-2's all-gathers, :mod:`labkit.gradsync_deepspeed`).
+    """
+    from deepspeed.comm import comm
+
+    backend, counter = comm.cdb, CollectiveCalls()
+    wrapped = []
+    for op in COUNTED_OPS:
+        original = getattr(backend, op, None)
+        if original is None or op in vars(backend):
+            continue
+
+        def counting(*args, _op=op, _original=original, **kwargs):
+            counter.count(_op)
+            return _original(*args, **kwargs)
+
+        setattr(backend, op, counting)
+        wrapped.append(op)
+    try:
+        yield counter
+    finally:
+        for op in wrapped:
+            delattr(backend, op)
 
 
 def topology(ranks: int) -> Topology:

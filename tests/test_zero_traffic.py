@@ -15,8 +15,8 @@ def test_stage_3_sends_one_and_a_half_times_stage_2_and_stages_1_2_as_much_as_st
     assert sent[0] == pytest.approx(2 * (ranks - 1) / ranks * 2 * PSI)
 
 
-def test_a_reduce_scatter_priced_as_an_all_reduce_makes_stage_3_four_thirds_of_stage_2():
-    gloo = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 1.0}
+def test_bucket_all_reduces_and_a_reduce_scatter_priced_as_an_all_reduce_make_stage_3_four_thirds_of_stage_2():
+    gloo = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 1.0}  # measured on this box
     sent = {s: zero_traffic.modelled_bytes_per_rank(PSI, s, 2, 2, gloo) for s in (0, 2, 3)}
     assert sent[2] == pytest.approx(1.5 * sent[0])
     assert sent[3] / sent[2] == pytest.approx(4 / 3)
