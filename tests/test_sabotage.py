@@ -245,6 +245,11 @@ SABOTAGES = [
             lambda x, bias, residual, scale, out: fusion.unfused_chain(x, bias, residual, scale, out, torch.empty_like(x)))
     """, fails_at="cd563271", says="fused",
              needs=('acb2cc6c', '2edeefe8')),
+    Sabotage("03_memory_movement", "the working-set sweep always reads the largest array", """
+        from labkit import cache_sweep
+        _read = cache_sweep.read_bytes_per_s
+        cache_sweep.read_bytes_per_s = lambda device, working_set_bytes, **kwargs: _read(device, 64 * 2**20, **kwargs)
+    """, fails_at="hierarchy-03", says="in-cache reads were only", needs=('acb2cc6c',)),
     Sabotage("03_memory_movement", "memory-bound ops timed with a fresh output every call", """
         import torch
         from labkit import microbench
