@@ -11,10 +11,12 @@ group, killed on a timeout or an error, so no rank outlives the command.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,42 +69,95 @@ def check_nproc(nproc: int) -> None:
 
 
 def launch(script: Path, args: list[str], *, out: Path, nproc: int = 1, steps: int = 10, warmup: int = 2,
-           timeout_s: float = 300.0) -> list[dict]:
-    """Run ``script`` on ``nproc`` ranks under the profiler; each rank's result, or a ValueError naming the fix."""
+           timeout_s: float = 300.0, link_gbit: float | None = None) -> list[dict]:
+    """Run ``script`` on ``nproc`` ranks under the profiler; each rank's result, or a ValueError naming the fix.
+
+    With ``link_gbit`` each rank gets a node of its own on a :class:`labkit.fabric.Fabric` whose links are
+    shaped to that rate, and one ``torchrun`` per node starts it there (``--nnodes N --node-rank i``), as on
+    a cluster: the script's collectives cross the shaped links.
+    """
     if not script.is_file():
         raise ValueError(f"SCRIPT {script} is not a file; give the path of your training script")
     check_nproc(nproc)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if link_gbit is not None:
+        _check_link(link_gbit, nproc)
     from labkit.diagnose import ridge_of_this_machine
-    from labkit.launcher import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "--log-dir", str(out / "rank-logs"), "--redirects", "3", "--module", "labkit.diagnose",
-               "--steps", str(steps), "--warmup", str(warmup), "--ridge", f"{ridge_of_this_machine():.6g}",
-               "--out", str(out), str(script), *args]
+    profiled = ["--module", "labkit.diagnose", "--steps", str(steps), "--warmup", str(warmup),
+                "--ridge", f"{ridge_of_this_machine():.6g}", "--out", str(out), str(script), *args]
     log = out / "ranks.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    with open(log, "w") as handle, contextlib.ExitStack() as stack:
+        if link_gbit is None:
+            commands = [_torchrun(nproc, 1, 0, "127.0.0.1", out / "rank-logs") + profiled]
+            envs = [{}]
+        else:
+            from labkit import fabric
+            from labkit.topology import Topology, gbit_to_bytes_per_s
+
+            fab = stack.enter_context(fabric.Fabric(Topology(nodes=nproc,
+                                                             inter_node_bytes_per_s=gbit_to_bytes_per_s(link_gbit))))
+            commands = [["ip", "netns", "exec", node.netns, *_torchrun(1, nproc, node.index, fab.nodes[0].address,
+                                                                        out / "rank-logs" / f"node{node.index}")]
+                        + profiled for node in fab.nodes]
+            envs = [{"GLOO_SOCKET_IFNAME": fabric.UPLINK}] * nproc
+        procs = [subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env=os.environ | {"PYTHONUNBUFFERED": "1"} | env)
+                 for command, env in zip(commands, envs)]
         try:
-            code = proc.wait(timeout=timeout_s)
+            codes = _wait_all(procs, timeout_s)
         except subprocess.TimeoutExpired:
-            _kill(proc)
             raise ValueError(f"{script} did not finish {steps + warmup} profiled optimizer steps in "
                              f"{timeout_s:g} s; does it call optimizer.step()? Raise --timeout or lower --steps. "
                              f"Its output: {log}") from None
         finally:
-            _kill(proc)
+            for proc in procs:
+                _kill(proc)
     found = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    if code != 0 or len(found) != nproc:
+    if any(codes) or len(found) != nproc:
         where, tail = _first_failure(out / "rank-logs", log)
-        raise ValueError(f"{script} failed on its ranks (exit {code}); the end of {where}:\n{tail}")
+        raise ValueError(f"{script} failed on its ranks (exit {max(codes, key=abs)}); the end of {where}:\n{tail}")
     return found
+
+
+def _check_link(link_gbit: float, nproc: int) -> None:
+    """A shaped link needs a rate, two ranks or more, and a machine where labkit can build namespaces."""
+    from labkit import fabric
+
+    if not link_gbit > 0:
+        raise ValueError(f"--link-gbit must be a rate > 0 in Gbit/s, got {link_gbit}")
+    if nproc < 2:
+        raise ValueError(f"--link-gbit needs --nproc 2 or more (one rank per node), got {nproc}")
+    capability = fabric.probe()
+    if capability.mode != "namespaces":
+        raise ValueError(f"--link-gbit needs real shaped links, and here: {capability.reason}")
+
+
+def _torchrun(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, log_dir: Path) -> list[str]:
+    from labkit.fabric import MASTER_PORT
+    from labkit.launcher import free_port
+
+    port = free_port() if nnodes == 1 else MASTER_PORT
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--master-addr", master_addr,
+            "--master-port", str(port), "--log-dir", str(log_dir), "--redirects", "3"]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    """Every process's exit code, or as soon as one fails (its peers would wait for it until the timeout);
+    ``TimeoutExpired`` once ``timeout_s`` have passed. A process still running when another failed gets -1."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes) or any(code for code in codes):
+            return [-1 if code is None else code for code in codes]
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(procs[0].args, timeout_s)
+        time.sleep(0.05)
 
 
 def _first_failure(rank_logs: Path, agent_log: Path) -> tuple[Path, str]:

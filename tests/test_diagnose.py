@@ -1,6 +1,7 @@
 """`labkit diagnose`: a step split into the course's bottlenecks, each instant counted once; bad input named."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,32 @@ def test_two_ranks_of_a_starving_loader_are_diagnosed_data_bound_from_the_comman
     assert all((out / f"trace-rank{r}.json").exists() for r in (0, 1))
     assert not _leftovers(before)
     assert "Verdict: data takes" in done.stdout and "Profiler overhead" in done.stdout
+
+
+@pytest.mark.parametrize("link_gbit, nproc, says", [(0.0, 2, "--link-gbit must be a rate > 0"),
+                                                    (1.0, 1, "--link-gbit needs --nproc 2 or more")])
+def test_a_shaped_link_needs_a_rate_and_two_ranks(tmp_path, link_gbit, nproc, says):
+    with pytest.raises(ValueError, match=says):
+        diagnosis_report.launch(SCRIPT, [], out=tmp_path, nproc=nproc, link_gbit=link_gbit)
+
+
+@pytest.mark.slow
+def test_on_a_slow_shaped_link_the_step_waits_for_the_gradient_as_long_as_the_ring_model_says(tmp_path):
+    from labkit import fabric
+
+    if fabric.probe().mode != "namespaces":
+        pytest.skip(f"no shaped links here: {fabric.probe().reason}")
+    before = _children()
+    summary = diagnosis_report.summarise(diagnosis_report.launch(SCRIPT, ["0"], out=tmp_path, nproc=2, steps=4,
+                                                                 link_gbit=0.1, timeout_s=180))
+    assert summary["verdict"]["bottleneck"] == "communication"
+    gradient_bytes = (256 * 1024 + 1024 + 1024 * 10 + 10) * 4   # the script's MLP; 2 ranks: the ring sends it once
+    link_ms = gradient_bytes * 8 / 0.1e9 * 1e3
+    measured_ms = summary["shares"]["communication"] * summary["step_ms"]
+    assert 0.8 <= measured_ms / link_ms <= 1.4, (measured_ms, link_ms)
+    from labkit.netns import NETNS_DIR
+
+    assert not _leftovers(before) and not [n for n in os.listdir(NETNS_DIR) if n.startswith(f"lk-{os.getpid()}-")]
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         ranks = report.launch(Path(script_and_args[0]), script_and_args[1:], out=out, nproc=args.nproc,
-                              steps=args.steps, warmup=args.warmup, timeout_s=args.timeout)
+                              steps=args.steps, warmup=args.warmup, timeout_s=args.timeout, link_gbit=args.link_gbit)
     except ValueError as exc:
         print(f"labkit diagnose: {exc}", file=sys.stderr)
         return 2
@@ -148,12 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     ops.set_defaults(func=_ops)
     diagnose = sub.add_parser("diagnose", help="profile your training script and name its bottleneck",
                               usage="labkit diagnose [--nproc N] [--steps K] [--warmup W] [--out DIR] "
-                                    "-- SCRIPT.py [ARGS...]")
+                                    "[--link-gbit R] -- SCRIPT.py [ARGS...]")
     diagnose.add_argument("--nproc", type=int, default=1, help="ranks, started as torchrun starts them (default 1)")
     diagnose.add_argument("--steps", type=int, default=10, help="optimizer steps profiled (default 10)")
     diagnose.add_argument("--warmup", type=int, default=2, help="profiler warm-up steps (default 2)")
     diagnose.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
     diagnose.add_argument("--out", default="runs/diagnose", help="folder for diagnosis.json, the figure, traces")
+    diagnose.add_argument("--link-gbit", type=float, default=None,
+                          help="one rank per node, nodes joined by links shaped to this rate (Gbit/s each way)")
     diagnose.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT.py [ARGS...]")
     diagnose.set_defaults(func=_diagnose)
     return parser
