@@ -1,34 +1,17 @@
-"""Lab 4's exercises: what optimizer offload leaves on the accelerator; the ZeRO bytes rule, as code."""
+"""Lab 4's exercises: the ZeRO bytes rule, as code; what a checkpointed step adds at its peak."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from labkit import zero_probe
+from labkit import recompute, zero_probe
 from labkit.exercises import Verdict, check_code, predict
 
 BytesRule = Callable[[int, int, int], float]
 
 
-def offloaded_accelerator_bytes(measured: list[zero_probe.RankMeasurement], prediction,
-                                *, config: str = "stage 2 + optimizer->CPU") -> Verdict | None:
-    """Exercise 4.1: model-state bytes left on rank 0's accelerator with the optimizer offloaded."""
-    rank0 = next(m for m in measured if m.config.name == config and m.rank == 0)
-
-    def explain(got: float) -> str:
-        held = rank0.on_accelerator
-        return (f"Measured on the accelerator: params {held.params:,} + grads {held.grads:,} + optimizer "
-                f"{held.optimizer:,} bytes. Offload moves the Adam state (12 bytes per parameter: fp32 master, two "
-                f"moments) to the host, and with it this rank's gradient partition, which CPU Adam reads there; "
-                f"only the 16-bit parameters stay.")
-
-    return predict("4.1", prediction, what=f"the bytes of model states '{config}' leaves on rank 0's accelerator",
-                   measure=lambda: rank0.on_accelerator.total, context=(rank0.num_params, rank0.dp_degree),
-                   tolerance=0.05, unit="bytes", explain=explain)
-
-
 def bytes_rule(measured: list[zero_probe.RankMeasurement], answer) -> bool | None:
-    """Exercise 4.2: ``rule(num_params, stage, ranks)`` gives every rank's measured model-state bytes at
+    """Exercise 4.1: ``rule(num_params, stage, ranks)`` gives every rank's measured model-state bytes at
     stages 0-3, within the lab's 5% band."""
     plain = [m for m in measured if not m.config.offloaded]
 
@@ -40,4 +23,21 @@ def bytes_rule(measured: list[zero_probe.RankMeasurement], answer) -> bool | Non
                         f"the engine held {want:,}")
         return None
 
-    return check_code("4.2", answer, what="a function bytes_per_rank(num_params, stage, ranks)", test=test)
+    return check_code("4.1", answer, what="a function bytes_per_rank(num_params, stage, ranks)", test=test)
+
+
+def checkpointed_peak_bytes(size: recompute.RecomputeSize, prediction, *, device: str = "cpu") -> Verdict | None:
+    """Exercise 4.2: the peak memory one checkpointed step of ``size``'s MLP stack adds, measured now."""
+    kept = recompute.KINDS[1]
+
+    def explain(got: float) -> str:
+        return (f"Checkpointed, each of the {size.blocks} blocks keeps only its input ({size.tokens} x {size.width} "
+                f"fp32), and during the backward one block at a time holds its saved tensors again (its input, the "
+                f"GELU's input and the second Linear's input: 9 x {size.width} per token); the parameters' gradients "
+                f"({size.num_params:,} x 4 bytes) come on top. The rest of the {got:,.0f} bytes measured are gradients "
+                f"of activations in flight and the kernels' temporaries.")
+
+    return predict("4.2", prediction, what=f"the bytes one checkpointed step of the {size.blocks}-block stack adds at its peak",
+                   measure=lambda: recompute.measure(size, device=device).peak_bytes[kept],
+                   context=(size.blocks, size.width, size.tokens, size.num_params),
+                   tolerance=0.15, unit="bytes", explain=explain)
