@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from labkit import nvme_offload, profile, zero
+from labkit import nvme_offload, profile, zero, zero_accounting
 from labkit import zero_probe as zp
 from labkit.devices import describe_machine
 
@@ -50,7 +50,7 @@ def main() -> int:
               f"{what} error {err:6.2%}; step best {m.best_step_ms:7.1f} ms, median "
               f"{m.median_step_ms:7.1f} ms; engine init {m.init_ms:.0f} ms")
     print(f"worst stage 0-3 error vs labkit.zero: {worst:.3%} (target < 5%)")
-    estimates = zp.deepspeed_estimates(size.num_params, size.largest_layer_params, n)
+    estimates = zero_accounting.deepspeed_estimates(size.num_params, size.largest_layer_params, n)
     for name, value in estimates.items():
         print(f"DeepSpeed estimator {name}: {value / MB:.3f} MB per rank")
     return 0 if worst < 0.05 else 1

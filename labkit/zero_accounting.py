@@ -11,6 +11,10 @@ CPU stands in for the accelerator and both sides are the same RAM, so the
 snapshot reads DeepSpeed's own placement instead: states of an engine whose
 optimizer was offloaded (it then runs DeepSpeed's host-only CPU Adam) count as
 host-resident.
+
+Beside the bytes held between steps: what one step adds at its peak
+(:func:`step_peak_added_bytes`), and what DeepSpeed's own estimators budget
+(:func:`deepspeed_estimates`).
 """
 
 from __future__ import annotations
@@ -167,3 +171,49 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     with PeakRss() as peak:
         run_step()
     return peak.added_bytes
+
+
+def weigh_one_step(engine, run_step: Callable[[], None]) -> tuple[dict[str, int], dict[str, int]]:
+    """Run one step, weighing the engine before the final gradient reduction and after the step; the larger of each.
+
+    The end of the backward pass is the peak of gradient memory (at stages 0-1 every
+    gradient is alive there); Adam's moments exist only from the first step on.
+    """
+    snapshots = []
+    reduce = engine.allreduce_gradients
+
+    def snapshot_then_reduce(*args, **kwargs):
+        snapshots.append(model_state_snapshot(engine))
+        return reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = snapshot_then_reduce
+    try:
+        run_step()
+    finally:
+        engine.allreduce_gradients = reduce
+    snapshots.append(model_state_snapshot(engine))
+    accelerator, host = snapshots[0]
+    for acc, hst in snapshots[1:]:
+        accelerator, host = elementwise_max(accelerator, acc), elementwise_max(host, hst)
+    return accelerator, host
+
+
+def deepspeed_estimates(num_params: int, largest_layer_params: int, dp_degree: int) -> dict[str, int]:
+    """DeepSpeed's own per-GPU estimates (bytes, no offload), for stages 2 and 3.
+
+    They count 18 bytes per partitioned parameter (16-bit plus 32-bit gradients,
+    fp32 master, two moments): stage 2 is 2 + 18/N where the paper has 2 + 14/N,
+    stage 3 is 18/N where the paper has 16/N, plus 4 bytes per parameter of the
+    largest layer for its gathered working copy.
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _, zero2 = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=False)
+    _, zero2_offload = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=True)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(
+        num_params, largest_layer_params, dp_degree, 1, cpu_offload=False, cpu_offload_params=False)
+    _, zero3_offload, _ = estimate_zero3_model_states_mem_needs(
+        num_params, largest_layer_params, dp_degree, 1, cpu_offload=True, cpu_offload_params=True)
+    return {"stage 2": zero2, "stage 2 + optimizer->CPU": zero2_offload,
+            "stage 3": zero3, "stage 3 + optimizer,params->CPU": zero3_offload}

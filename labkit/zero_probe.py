@@ -11,6 +11,10 @@ Two moments are sampled per configuration: the end of the backward pass, before
 DeepSpeed's final gradient reduction (the peak of gradient memory: at stages 0-1
 every gradient is alive there) and after the optimizer step (Adam's moments
 exist only from the first step on). Each state's bytes are the larger of the two.
+Then the engines take turns timing steps (forward, backward and optimizer step
+apart, with the collectives of each counted), on a fabric count their bytes on
+the links (:mod:`labkit.zero_traffic`), and last each measures what one more step
+adds at its peak.
 """
 
 from __future__ import annotations
@@ -229,27 +233,6 @@ def _timed_step(engine, batch) -> float:
     return whole.ms
 
 
-def _first_step_snapshot(engine, batch) -> tuple[dict[str, int], dict[str, int]]:
-    """Run one step, weighing the engine before the final gradient reduction and after the step."""
-    snapshots = []
-    reduce = engine.allreduce_gradients
-
-    def snapshot_then_reduce(*args, **kwargs):
-        snapshots.append(zero_accounting.model_state_snapshot(engine))
-        return reduce(*args, **kwargs)
-
-    engine.allreduce_gradients = snapshot_then_reduce
-    try:
-        _train_step(engine, batch)
-    finally:
-        engine.allreduce_gradients = reduce
-    snapshots.append(zero_accounting.model_state_snapshot(engine))
-    accelerator, host = snapshots[0]
-    for acc, hst in snapshots[1:]:
-        accelerator, host = zero_accounting.elementwise_max(accelerator, acc), zero_accounting.elementwise_max(host, hst)
-    return accelerator, host
-
-
 def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir: str | None = None,
                fab: Any = None, traffic: zero_traffic.TrafficSize | None = None) -> list[RankMeasurement]:
     """Rank function: build every config's engine, weigh it, then time their steps in turn.
@@ -277,7 +260,7 @@ def probe_rank(configs: list[ProbeConfig], size: ProbeSize, dtype: str, nvme_dir
             engine = _build_engine(config, size, dtype, info.device, nvme_dir)
         generator = torch.Generator().manual_seed(info.rank)
         batch = torch.randn(size.batch, size.width, generator=generator).to(engine.device, torch_dtype)
-        weighed.append(_first_step_snapshot(engine, batch))
+        weighed.append(zero_accounting.weigh_one_step(engine, lambda: _train_step(engine, batch)))
         engines.append(engine)
         batches.append(batch)
         init_ms.append(init.ms)
@@ -424,24 +407,3 @@ def predicted(measurement: RankMeasurement) -> zero.ModelStateBytes:
 def relative_error(measured: zero.ModelStateBytes, model: zero.ModelStateBytes) -> float:
     """|measured - model| / model over total model-state bytes."""
     return abs(measured.total - model.total) / model.total
-
-
-def deepspeed_estimates(num_params: int, largest_layer_params: int, dp_degree: int) -> dict[str, int]:
-    """DeepSpeed's own per-GPU estimates (bytes, no offload), for stages 2 and 3.
-
-    They count 18 bytes per partitioned parameter (16-bit plus 32-bit gradients,
-    fp32 master, two moments): stage 2 is 2 + 18/N where the paper has 2 + 14/N,
-    stage 3 is 18/N where the paper has 16/N, plus 4 bytes per parameter of the
-    largest layer for its gathered working copy.
-    """
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-    _, zero2 = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=False)
-    _, zero2_offload = estimate_zero2_model_states_mem_needs(num_params, dp_degree, 1, cpu_offload=True)
-    _, zero3, _ = estimate_zero3_model_states_mem_needs(
-        num_params, largest_layer_params, dp_degree, 1, cpu_offload=False, cpu_offload_params=False)
-    _, zero3_offload, _ = estimate_zero3_model_states_mem_needs(
-        num_params, largest_layer_params, dp_degree, 1, cpu_offload=True, cpu_offload_params=True)
-    return {"stage 2": zero2, "stage 2 + optimizer->CPU": zero2_offload,
-            "stage 3": zero3, "stage 3 + optimizer,params->CPU": zero3_offload}

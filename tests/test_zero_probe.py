@@ -82,7 +82,7 @@ def test_config_shrinks_zero3_buckets_and_names_the_offload_device():
 
 def test_deepspeed_estimator_counts_18_bytes_where_the_paper_counts_14_or_16():
     psi, n, largest_layer = 1_000_000, 4, 1000
-    estimates = zp.deepspeed_estimates(psi, largest_layer, n)
+    estimates = zero_accounting.deepspeed_estimates(psi, largest_layer, n)
     assert estimates["stage 2"] - zero.model_state_bytes(psi, 2, n).total == (18 - 14) * psi // n
     assert estimates["stage 3"] - zero.model_state_bytes(psi, 3, n).total == (
         (18 - 16) * psi // n + 4 * largest_layer
