@@ -66,7 +66,7 @@ class RecomputeSize:
 
 
 SIZES = {
-    "ci": RecomputeSize(blocks=8, width=64, tokens=2048, repeats=3),
+    "ci": RecomputeSize(blocks=8, width=64, tokens=2048, repeats=5),
     "gpu": RecomputeSize(blocks=16, width=1024, tokens=16384, repeats=10),
     "multi-gpu": RecomputeSize(blocks=16, width=1024, tokens=16384, repeats=10),
 }
@@ -170,7 +170,9 @@ def _timed_ms(fn, device: torch.device) -> float:
     The CPU probe runs one thread, so its CPU time is the step's compute. Wall
     time was not usable on this shared 2-core box: at load 4-5 the fastest of three
     plain steps once came out at 451 ms against 200 ms quiet, and checkpointing
-    looked faster than keeping every activation.
+    looked faster than keeping every activation. With CPU time, the fastest of 3
+    steps gave ratios of 1.18-1.39 over 9 runs at load 3-6, the fastest of 5 gave
+    1.31-1.34 over 4 runs at load 3 (the model, 1.33-1.39): ci takes 5.
     """
     if device.type == "cuda":
         torch.cuda.synchronize()
