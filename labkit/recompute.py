@@ -203,6 +203,8 @@ def measure_here(size: RecomputeSize, device: str = "cpu") -> dict:
 
 def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
     """Both kinds measured; on the CPU in a fresh single-threaded process (see the module docstring)."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:0', ...), got {device!r}")
     if device.startswith("cuda"):
         got = measure_here(size, device)
         return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"], "torch.cuda.max_memory_allocated",

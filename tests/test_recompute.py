@@ -33,5 +33,7 @@ def test_num_params_counts_weights_and_biases():
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="kind"):
         recompute.modelled_peak_bytes(SMALL, "keep half")
+    with pytest.raises(ValueError, match="device must be 'cpu' or a CUDA device"):
+        recompute.measure(SMALL, device="tpu")
     with pytest.raises(ValueError, match="blocks"):
         recompute.RecomputeSize(blocks=0, width=8, tokens=16, repeats=1)
