@@ -63,17 +63,27 @@ def wrap_ddp(model: nn.Module, variant: str) -> nn.parallel.DistributedDataParal
     return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb(variant))
 
 
-@dataclasses.dataclass
-class _Fastest:
-    """The fastest step, backward and tail seen so far: contention on a shared machine only ever adds time."""
+MARKS = ("start", "backward_start", "last_gradient", "backward_end", "end")
+"""The clock readings (``perf_counter``, one monotonic clock for every process on the machine) of a timed step."""
 
-    step_s: float = math.inf
-    backward_s: float = math.inf
-    tail_s: float = math.inf
 
-    def keep(self, step_s: float, backward_s: float, tail_s: float) -> None:
-        self.step_s, self.backward_s = min(self.step_s, step_s), min(self.backward_s, backward_s)
-        self.tail_s = min(self.tail_s, tail_s)
+def fastest_of_steps(marks: torch.Tensor) -> dict[str, float]:
+    """The fastest step, backward and wait of ``marks`` (``[ranks, steps, len(MARKS)]``, every rank's steps).
+
+    Per step: the step and backward take as long as on the slowest rank, and the wait
+    runs from the last gradient produced on *any* rank to the moment the last rank's
+    ``backward()`` returned. Measured on one rank instead, a rank that finished its
+    backward early would count its wait for the other rank's backward (a straggler,
+    not the link) as communication. Then the fastest step of each: contention on a
+    shared machine only ever adds time.
+    """
+    if marks.dim() != 3 or marks.shape[2] != len(MARKS) or marks.shape[1] < 1:
+        raise ValueError(f"marks must be [ranks, steps >= 1, {len(MARKS)}], got {list(marks.shape)}")
+    at = {name: marks[:, :, i] for i, name in enumerate(MARKS)}
+    step = (at["end"] - at["start"]).max(dim=0).values
+    backward = (at["last_gradient"] - at["backward_start"]).max(dim=0).values
+    wait = at["backward_end"].max(dim=0).values - at["last_gradient"].max(dim=0).values
+    return {"step_s": step.min().item(), "backward_s": backward.min().item(), "tail_s": max(wait.min().item(), 0.0)}
 
 
 def _last_gradient_clock(model: nn.Module) -> list[float]:
@@ -85,14 +95,14 @@ def _last_gradient_clock(model: nn.Module) -> list[float]:
 
 
 def _timed_steps(ddp: nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                 y: torch.Tensor, ready: list[float], steps: int, fastest: _Fastest, sync: bool = True) -> None:
-    """One warm-up and ``steps`` timed training steps; keeps the fastest step, backward compute and tail.
+                 y: torch.Tensor, ready: list[float], steps: int, sync: bool = True) -> list[list[float]]:
+    """One warm-up and ``steps`` timed training steps; each timed step's clock readings (:data:`MARKS`).
 
-    The tail is measured inside each step: from the moment backward produced its
+    The wait is measured inside each step: from the moment backward produced its
     last gradient to the moment ``backward()`` returned, which DDP delays until
-    every bucket's all-reduce has finished. So it is the communication the step
-    waited for, whatever other programs did to the step's compute.
+    every bucket's all-reduce has finished (:func:`fastest_of_steps`).
     """
+    marks = []
     for i in range(steps + 1):
         optimizer.zero_grad(set_to_none=False)
         start = time.perf_counter()
@@ -104,7 +114,8 @@ def _timed_steps(ddp: nn.parallel.DistributedDataParallel, optimizer: torch.opti
             backward_end = time.perf_counter()
         optimizer.step()
         if i:
-            fastest.keep(time.perf_counter() - start, max(ready) - backward_start, backward_end - max(ready))
+            marks.append([start, backward_start, max(ready), backward_end, time.perf_counter()])
+    return marks
 
 
 class HandBuckets:
@@ -132,11 +143,10 @@ class HandBuckets:
             flat = torch.cat([self.params[i].grad.reshape(-1) for i in bucket])
             self.launched.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
 
-    def finish(self) -> float:
-        """Wait for every bucket, write the averaged gradients back; returns the wait after the last gradient."""
+    def finish(self) -> None:
+        """Wait for every bucket and write the averaged gradients back."""
         for _, _, work in self.launched:
             work.wait()
-        wait_s = time.perf_counter() - self.last_gradient_s
         for bucket, flat, _ in self.launched:
             for i, piece in zip(bucket, flat.split([self.params[i].numel() for i in bucket])):
                 self.params[i].grad.copy_(piece.view_as(self.params[i].grad)).div_(dist.get_world_size())
@@ -144,12 +154,11 @@ class HandBuckets:
             raise RuntimeError(f"{len(self.buckets) - len(self.launched)} bucket(s) never became ready")
         self.ready.clear()
         self.launched.clear()
-        return wait_s
 
 
 def hand_buckets_rank(buckets: Sequence[Sequence[int]], hidden: int, layers: int, batch: int, steps: int,
                       rate_gbit: float, links: dict[str, Any] | None = None) -> dict[str, float]:
-    """Rank function: the slowest rank's fastest wait after backward with one bucket and with ``buckets``."""
+    """Rank function: the fastest wait after backward with one bucket and with ``buckets`` (:func:`fastest_of_steps`)."""
     if links is not None and dist.get_rank() == 0:
         set_link_rate(links, rate_gbit)
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -158,15 +167,19 @@ def hand_buckets_rank(buckets: Sequence[Sequence[int]], hidden: int, layers: int
         model = make_model(hidden, layers)
         params = list(model.parameters())
         hand = HandBuckets(params, [list(range(len(params)))] if name == "one bucket" else buckets)
-        wait_s = []
-        for _ in range(steps + 1):
+        marks = []
+        for step in range(steps + 1):
             model.zero_grad(set_to_none=False)
             dist.barrier()
+            start = time.perf_counter()
             nn.functional.mse_loss(model(x), x.flip(1)).backward()
-            wait_s.append(hand.finish())
-        slowest = torch.tensor([min(wait_s[1:])], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        waits[name] = slowest.item()
+            hand.finish()
+            done = time.perf_counter()
+            if step:
+                marks.append([start, start, hand.last_gradient_s, done, done])
+        everyone = [torch.zeros(steps, len(MARKS), dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, torch.tensor(marks, dtype=torch.float64))
+        waits[name] = fastest_of_steps(torch.stack(everyone))["tail_s"]
     return waits
 
 
@@ -195,9 +208,9 @@ def overlap_rank(hidden: int, layers: int, batch: int, timed_steps: int, rounds:
                  links: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank function: per round, no communication, then each bucket layout; then one profiled step of each.
 
-    Returns the slowest rank's fastest step per point, rank 0's backward time with no
-    communication, the bucket sizes DDP used (bytes, in the order it all-reduced
-    them) and rank 0's timelines.
+    Returns the fastest step, backward and wait per point over both ranks
+    (:func:`fastest_of_steps`), the bucket sizes DDP used (bytes, in the order it
+    all-reduced them) and rank 0's timelines.
     """
     from labkit.launcher import rank_device
 
@@ -214,17 +227,18 @@ def overlap_rank(hidden: int, layers: int, batch: int, timed_steps: int, rounds:
         register_counting_hook(models[variant], counters[variant])
         optimizers[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-3)
         clocks[variant] = _last_gradient_clock(models[variant].module)
-    fastest = {name: _Fastest() for name in (NO_COMMUNICATION, *VARIANTS)}
+    marks: dict[str, list[list[float]]] = {name: [] for name in (NO_COMMUNICATION, *VARIANTS)}
     for _ in range(rounds):
-        for name in fastest:
+        for name in marks:
             variant = VARIANTS[0] if name == NO_COMMUNICATION else name
             dist.barrier()
-            _timed_steps(models[variant], optimizers[variant], x, y, clocks[variant], timed_steps, fastest[name],
-                         sync=name != NO_COMMUNICATION)
-    # the slowest rank's fastest of each: the step waits for the slower rank
-    slowest = torch.tensor([[f.step_s, f.backward_s, f.tail_s] for f in fastest.values()], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    timed = {name: dict(zip(("step_s", "backward_s", "tail_s"), row)) for name, row in zip(fastest, slowest.tolist())}
+            marks[name] += _timed_steps(models[variant], optimizers[variant], x, y, clocks[variant], timed_steps,
+                                        sync=name != NO_COMMUNICATION)
+    timed = {}
+    for name, mine in marks.items():
+        everyone = [torch.zeros(len(mine), len(MARKS), dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
+        timed[name] = fastest_of_steps(torch.stack(everyone))
     buckets, timelines = {}, {}
     for variant in VARIANTS:
         counters[variant].reset()

@@ -36,8 +36,12 @@ MODEL_BAND = (0.9, 1.4)
 Nothing crosses a shaped link faster than its rate, and the shaper charges every
 packet's headers (about 4.6% over the payload), so the ratio sits just above 1;
 gloo's CPU work per all-reduce adds a few ms more as the machine gets busier. Five
-runs on the 2-core box beside two other sessions' experiments (load average 4-5)
-gave 1.12-1.17 (one bucket) and 1.12-1.13 (default). An unshaped link gives far below 0.9.
+runs alone on the 2-core box gave 1.09-1.11 (one bucket and default alike); beside
+two other sessions' experiments (load 4-5), 1.12-1.24. Measured from one rank's own
+last gradient, the wait once came out 1.83x in ten runs alone: that rank had
+finished backward early and waited for the other's, a straggler, not the link,
+which is why the wait starts at the last gradient on any rank
+(:func:`labkit.ddp_overlap.fastest_of_steps`). An unshaped link gives far below 0.9.
 """
 
 EXPOSED_SHARE_LIMIT = 0.7
@@ -142,7 +146,7 @@ def print_overlap(result: OverlapResult) -> None:
         print(f"{variant:>14} {len(result.bucket_bytes[variant]):>11} {1e3 * result.step_s(variant):>8.1f} "
               f"{1e3 * result.timed[variant]['backward_s']:>11.1f} {1e3 * result.exposed_s(variant):>8.1f} "
               f"{1e3 * result.modelled_exposed_s(variant):>8.1f} {result.exposed_share(variant):>6.0%}")
-    print("  backward: until its last gradient; wait: from the last gradient until every all-reduce was done, the "
+    print("  backward: until its last gradient; wait: from the last gradient on any rank until every all-reduce was done, the "
           "exposed communication (measured); modelled: the buckets sent one after another as backward releases "
           "them, at the ring model's time; share: the wait over one bucket's")
 

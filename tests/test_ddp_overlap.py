@@ -76,3 +76,17 @@ def test_hand_buckets_average_gradients_and_launch_in_bucket_order():
     forward_order = launch(rankfns.hand_buckets_rank, 2, order="forward", timeout_s=120)[0]
     assert forward_order["max_diff"] < 1e-6
     assert forward_order["launched_while_backward"] == 0
+
+
+def test_the_wait_starts_at_the_last_gradient_on_any_rank_so_a_straggler_is_not_communication():
+    import torch
+
+    # one step, two ranks: rank 1's backward ends 50 ms after rank 0's; the all-reduce ends 70 ms after that
+    marks = torch.tensor([[[0.0, 0.01, 1.00, 1.12, 1.13]], [[0.0, 0.01, 1.05, 1.12, 1.14]]], dtype=torch.float64)
+    got = ddp_overlap.fastest_of_steps(marks)
+    assert got["tail_s"] == pytest.approx(0.07) and got["step_s"] == pytest.approx(1.14)
+    assert got["backward_s"] == pytest.approx(1.04)
+    two_steps = torch.cat([marks, marks + torch.tensor([0, 0, 0, -0.05, -0.05], dtype=torch.float64)], dim=1)
+    assert ddp_overlap.fastest_of_steps(two_steps)["tail_s"] == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="marks must be"):
+        ddp_overlap.fastest_of_steps(torch.zeros(2, 0, 5))
