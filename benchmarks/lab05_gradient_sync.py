@@ -2,6 +2,7 @@
 
     python benchmarks/lab05_gradient_sync.py                      # 2 ranks, every part, one run
     python benchmarks/lab05_gradient_sync.py --parts gradsync --runs 10 --no-deepspeed
+    python benchmarks/lab05_gradient_sync.py --parts crossover overlap --runs 5
     LABKIT_FABRIC=emulated python benchmarks/lab05_gradient_sync.py --parts gradsync
 
 Every part calls what Lab 5 calls (``run_count_and_benchmark``, ``print_counts``,
@@ -20,10 +21,11 @@ import os
 import statistics
 import time
 
-from labkit import collective_bench, gradsync, gradsync_deepspeed, gradsync_model, profile, tensor_parallel
+from labkit import (collective_bench, ddp_overlap, ddp_overlap_model, gradsync, gradsync_crossover, gradsync_deepspeed,
+                    gradsync_model, profile, tensor_parallel)
 from labkit.devices import describe_machine
 
-PARTS = ("counts", "gradsync", "tp")
+PARTS = ("counts", "gradsync", "crossover", "overlap", "tp")
 
 
 def counts_and_bandwidth(world_size: int) -> None:
@@ -66,6 +68,29 @@ def delayed_sync(world_size: int, runs: int, rates_gbit: list[float], deepspeed:
         print(f"{name}: held {count}/{runs}")
 
 
+def crossover(world_size: int, runs: int) -> None:
+    """Two ranks against one as the window grows: the ceiling and the longest window, per run."""
+    print(f"\n== crossover, {world_size} ranks, {runs} run(s)")
+    for run in range(runs):
+        xo = gradsync_crossover.run_crossover(world_size)
+        longest = xo.samples_per_s(xo.longest)
+        print(f"run {run + 1}: ceiling {xo.ceiling_samples_per_s / xo.alone_samples_per_s:.2f}x one rank; window "
+              f"{xo.longest} {longest / xo.alone_samples_per_s:.2f}x one rank, {longest / xo.ceiling_samples_per_s:.0%} "
+              f"of the ceiling; crossover measured {xo.measured_crossover_window()}, modelled "
+              f"{xo.predicted_crossover_window():.1f} ({xo.link_mode.label})")
+
+
+def overlap(world_size: int, runs: int) -> None:
+    """DDP's buckets: each layout's wait against the model, and small buckets' share of the one-bucket wait."""
+    print(f"\n== overlap, {world_size} ranks, {runs} run(s)")
+    for run in range(runs):
+        result = ddp_overlap.run_overlap(world_size)
+        ratios = ", ".join(f"{v} {result.exposed_s(v) / result.modelled_exposed_s(v):.2f}x the model"
+                           for v in ddp_overlap_model.VARIANTS)
+        print(f"run {run + 1}: {ratios}; small buckets waited {result.exposed_share('small buckets'):.0%} of the "
+              f"one-bucket wait ({result.link_mode.label})")
+
+
 def tensor_parallel_check(world_size: int) -> None:
     print(f"\n== tensor-parallel MLP: {tensor_parallel.run_tensor_parallel(world_size).describe()}")
 
@@ -74,7 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--runs", type=int, default=1, help="repeats of the gradsync experiment, for the spread")
+    parser.add_argument("--runs", type=int, default=1, help="repeats of the gradsync, crossover and overlap "
+                        "experiments, for the spread")
     parser.add_argument("--rates", type=float, nargs="+", default=list(gradsync.RATES_GBIT), help="link rates, Gbit/s")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's collective counts")
     args = parser.parse_args()
@@ -84,6 +110,10 @@ def main() -> None:
             counts_and_bandwidth(world_size)
         if "gradsync" in args.parts:
             delayed_sync(world_size, args.runs, args.rates, not args.no_deepspeed)
+        if "crossover" in args.parts:
+            crossover(world_size, args.runs)
+        if "overlap" in args.parts:
+            overlap(world_size, args.runs)
         if "tp" in args.parts:
             tensor_parallel_check(world_size)
 

@@ -10,8 +10,8 @@ This module measures that on two real ranks over a real shaped link: the same mo
 with one bucket (nothing can start before backward ends), with DDP's default buckets
 (25 MiB, and a first bucket of 1 MiB) and with small buckets (:data:`SMALL_BUCKET_BYTES`).
 Each variant's *exposed communication* is measured inside every step: the wait from
-the moment backward produced its last gradient to the moment ``backward()`` returned
-(DDP returns only once every bucket's all-reduce is done). The model
+the moment the last gradient on any rank was produced to the moment the last rank's
+``backward()`` returned (DDP returns only once every bucket's all-reduce is done). The model
 (:func:`labkit.ddp_overlap_model.modelled_exposed_s`) sends the buckets one after
 another over the link as backward releases them. One profiled step per layout shows
 the backward ops and gloo's all-reduces on a timeline.
@@ -100,7 +100,8 @@ def _timed_steps(ddp: nn.parallel.DistributedDataParallel, optimizer: torch.opti
 
     The wait is measured inside each step: from the moment backward produced its
     last gradient to the moment ``backward()`` returned, which DDP delays until
-    every bucket's all-reduce has finished (:func:`fastest_of_steps`).
+    every bucket's all-reduce has finished; :func:`fastest_of_steps` takes it
+    across the ranks.
     """
     marks = []
     for i in range(steps + 1):
