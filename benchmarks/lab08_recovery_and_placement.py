@@ -4,12 +4,14 @@ and the placement measured on real links (the bands of labkit.placement_probe).
     python benchmarks/lab08_recovery_and_placement.py            # all four
     python benchmarks/lab08_recovery_and_placement.py --skip-torchrun
     python benchmarks/lab08_recovery_and_placement.py --only-fabric --fabric-repeats 8
+    python benchmarks/lab08_recovery_and_placement.py --only-straggler --straggler-runs 10
 
 Targets (issue 9, CI profile): a killed rank back to the next training step in <= 15 s;
 10,000 GPUs and 1,000 jobs simulated in <= 5 s. On the fabric (issue 16; needs root, else it says
 so and skips): per repeat and placement, measured step over the simulator's step from measured links,
 and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
-EFFICIENCY_BAND from their spread. Prints figures; asserts nothing about noise.
+EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, a clean job's false alarms and a
+job whose rank turns 30% slower, the steps until it is caught, and the clean job's worst window. Prints figures; asserts nothing about noise.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import (fabric, fault_plan, fleet_model, placement, placement_probe, profile, recovery, recovery_rank,
-                    recovery_report)
+                    recovery_report, stragglers)
 from labkit.devices import describe_machine, load_average
 
 
@@ -71,6 +73,29 @@ def placement_on_fabric(repeats: int) -> None:
               f"(MODEL_BAND {placement_probe.MODEL_BAND})")
 
 
+def straggler_detection(work: Path, runs: int) -> None:
+    """A clean job (any detection is a false alarm) and the same job with a straggler, ``runs`` times."""
+    size = profile().pick(recovery.SIZES).train_kwargs()
+    rule = stragglers.StragglerRule()
+    caught, false_alarms, worst = [], 0, []
+    for run in range(runs):
+        clean = recovery.supervise(work / "clean", world_size=2, spares=0, max_restarts=0, **size)
+        worst.append(stragglers.worst_window_ratio(clean, rule.window))
+        fault = fault_plan.Fault("straggle", rank=run % 2, step=20)
+        slow = recovery.supervise(work / "straggle", world_size=2, spares=1, faults=[fault], **size)
+        detection = next((d for d in slow.detections if d.fault_id == fault.fault_id), None)
+        steps = slow.steps_to_detect(detection) if detection else None
+        caught.append(steps)
+        false_alarms += len(clean.false_alarms) + len(slow.false_alarms)
+        print(f"run {run + 1}/{runs}: clean job {len(clean.false_alarms)} false alarms, worst window {worst[-1]:.3f}; "
+              f"straggler on rank {fault.rank} caught after {steps} slow steps "
+              f"({detection.detail if detection else 'missed'}); load average {load_average()}")
+    found = [s for s in caught if s is not None]
+    print(f"straggler {recovery_rank.STRAGGLE_SLOWDOWN:.0%} slower: caught in {len(found)}/{runs} runs after "
+          f"{min(found, default=0)}-{max(found, default=0)} steps (window {rule.window}, factor {rule.factor}); "
+          f"false alarms {false_alarms} over {2 * runs} jobs; clean jobs' worst window {min(worst):.3f}-{max(worst):.3f}")
+
+
 @dataclass(frozen=True)
 class TorchrunRestart:
     """The torchrun path's outcome: it restarted (``attempts``) and ended on the supervisor's weights."""
@@ -107,8 +132,15 @@ def main() -> None:
     parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument("--fabric-repeats", type=int, default=3, help="placement runs on the fabric (0: none)")
     parser.add_argument("--only-fabric", action="store_true", help="skip recovery, simulator speed and torchrun")
+    parser.add_argument("--straggler-runs", type=int, default=3, help="clean + 20%%-straggler job pairs (0: none)")
+    parser.add_argument("--only-straggler", action="store_true", help="only the straggler runs")
     args = parser.parse_args()
     print(describe_machine(), "| load average", load_average())
+    if args.straggler_runs:
+        with tempfile.TemporaryDirectory(prefix="lab08-") as tmp:
+            straggler_detection(Path(tmp), args.straggler_runs)
+    if args.only_straggler:
+        return
     if args.fabric_repeats:
         placement_on_fabric(args.fabric_repeats)
     if args.only_fabric:

@@ -14,6 +14,9 @@ from typing import Sequence
 import numpy as np
 
 FAULT_KINDS = ("kill", "hang", "straggle", "nan")
+SUDDEN_KINDS = ("kill", "hang", "nan")
+"""Faults seen at once or after a timeout, so a random plan may space them a few steps apart; a
+straggler needs a window of slow steps (:class:`labkit.stragglers.StragglerRule`), so Lab 8 runs it alone."""
 
 CAUSE_OF_FAULT = {"kill": "exit", "hang": "hang", "straggle": "straggler", "nan": "nonfinite"}
 

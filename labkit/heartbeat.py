@@ -2,7 +2,7 @@
 
 Each rank appends one JSON line per phase of every step (:mod:`labkit.recovery_rank`);
 a rank that stops writing is hung, one that writes slower compute times than the
-others is a straggler, one that exits is blamed by :func:`labkit.triage.blame`.
+others is a straggler (:mod:`labkit.stragglers`), one that exits is blamed by :func:`labkit.triage.blame`.
 Everything here is pure bookkeeping over those records, so a test can feed it
 records and check the verdict without starting a process.
 """
@@ -10,30 +10,12 @@ records and check the verdict without starting a process.
 from __future__ import annotations
 
 import json
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit import triage
-
-
-@dataclass(frozen=True)
-class StragglerRule:
-    """A rank straggles when its own compute time exceeds ``factor`` x the other ranks' median,
-    by more than ``min_excess_s``, ``patience`` steps running."""
-
-    factor: float = 3.0
-    min_excess_s: float = 0.15
-    patience: int = 3
-
-    def __post_init__(self) -> None:
-        if self.factor <= 1:
-            raise ValueError(f"straggler factor must be > 1, got {self.factor}")
-        if self.min_excess_s < 0:
-            raise ValueError(f"straggler min_excess_s must be >= 0, got {self.min_excess_s}")
-        if self.patience < 1:
-            raise ValueError(f"straggler patience must be >= 1, got {self.patience}")
+from labkit.stragglers import StragglerRule, others_median, window_ratio
 
 
 def read_new(path: Path, offsets: dict[Path, int]) -> list[dict]:
@@ -55,8 +37,9 @@ class HeartbeatWatch:
     rule: StragglerRule = field(default_factory=StragglerRule)
     last_t: dict[int, float] = field(default_factory=dict)
     progress: dict[int, tuple[int, int]] = field(default_factory=dict)
-    compute_s: dict[int, deque] = field(default_factory=dict)
-    slow_streak: dict[int, int] = field(default_factory=dict)
+    compute_s: dict[int, dict[int, float]] = field(default_factory=dict)
+    own_s: dict[int, deque] = field(default_factory=dict)
+    others_s: dict[int, deque] = field(default_factory=dict)
     nonfinite: dict[int, dict] = field(default_factory=dict)
     straggler: tuple[int, str] | None = None
     steps_seen: int = 0
@@ -75,26 +58,30 @@ class HeartbeatWatch:
             self.progress[rank] = (record["step"], 1)
         elif event == "step":
             self.progress[rank] = (record["step"], 2)
-            self._judge(rank, record["compute_s"])
-            self.compute_s.setdefault(rank, deque(maxlen=20)).append(record["compute_s"])
+            self.compute_s.setdefault(record["step"], {})[rank] = record["compute_s"]
             self.steps_seen += 1
+            self._judge(record["step"])
         elif event == "nonfinite":
             self.nonfinite[rank] = record
         elif event == "done":
             self.done.add(rank)
 
-    def _judge(self, rank: int, compute_s: float) -> None:
-        """A straggler's *own* compute time is an outlier against the other ranks'
-        (everyone's step time is slow, because the all-reduce waits for it)."""
-        others = [t for r, times in self.compute_s.items() if r != rank for t in times]
-        if not others:
+    def _judge(self, step: int) -> None:
+        """Once every ready rank has reported ``step``, add it to each rank's window and judge the rank.
+        A straggler's *own* compute is the outlier (everyone's step is slow, the all-reduce waits for it)."""
+        times = self.compute_s[step]
+        if len(times) < max(len(self.ready), 2):
             return
-        baseline = statistics.median(others)
-        slow = compute_s > self.rule.factor * baseline and compute_s - baseline > self.rule.min_excess_s
-        self.slow_streak[rank] = self.slow_streak.get(rank, 0) + 1 if slow else 0
-        if self.slow_streak[rank] >= self.rule.patience and self.straggler is None:
-            self.straggler = (rank, f"compute {compute_s * 1e3:.0f} ms vs median {baseline * 1e3:.0f} ms "
-                                    f"on the other ranks, {self.slow_streak[rank]} steps running")
+        del self.compute_s[step]
+        for rank, others in others_median(times).items():
+            own_s = self.own_s.setdefault(rank, deque(maxlen=self.rule.window))
+            others_s = self.others_s.setdefault(rank, deque(maxlen=self.rule.window))
+            own_s.append(times[rank])
+            others_s.append(others)
+            if self.straggler is None and self.rule.is_slow(list(own_s), list(others_s)):
+                self.straggler = (rank, f"fastest step {window_ratio(own_s, others_s):.2f}x the other ranks' "
+                                        f"over steps {step - self.rule.window + 1}-{step} (threshold "
+                                        f"{self.rule.factor:g}x)")
 
 
 def exit_verdict(failed: list[tuple[int, int]], errors: dict[int, dict]) -> tuple[int, str]:

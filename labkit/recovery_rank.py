@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from labkit import processes, triage
 from labkit.fault_plan import Fault
@@ -43,6 +43,9 @@ RUN_ID_VAR = "LABKIT_RUN_ID"
 RESTART_VAR = "LABKIT_RESTART_COUNT"
 
 TORCHELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+STRAGGLE_SLOWDOWN = 0.3
+"""How much slower a straggling node computes: 30%, the top of the 10-30% real stragglers show, and
+what the 2-core CI box can tell from two healthy ranks' drift (:class:`labkit.stragglers.StragglerRule`)."""
 
 
 def restart_count() -> int:
@@ -106,7 +109,7 @@ def train_rank(
     seed: int = 0,
     checkpoint_every: int = 10,
     saver: str = "async",
-    straggle_extra_s: float = 0.4,
+    straggle_slowdown: float = STRAGGLE_SLOWDOWN,
     faults: Sequence[dict] = (),
 ) -> dict:
     """One rank of the supervised job; resumes from the newest verified checkpoint.
@@ -115,8 +118,9 @@ def train_rank(
     rather than quietly starting again from step 0.
 
     Data-parallel SGD with momentum: every rank computes gradients on its own
-    batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the
-    state after ``k`` steps (``loader_position=k``).
+    batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the state after
+    ``k`` steps (``loader_position=k``). A straggling rank's node computes ``1 + straggle_slowdown``
+    times slower (0.3: 30% slower; real stragglers are 10-30% slower).
     """
     import torch.distributed as dist
 
@@ -125,6 +129,8 @@ def train_rank(
 
     if saver not in ("async", "sync"):
         raise ValueError(f"saver must be 'async' or 'sync', got {saver!r}")
+    if not 0 < straggle_slowdown <= 10:
+        raise ValueError(f"straggle_slowdown must be in (0, 10] (0.2 = 20% slower), got {straggle_slowdown}")
     _watch_parent()
     run_path = Path(run_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -146,12 +152,12 @@ def train_rank(
             _fire(run_path, fault, log)
             straggling = straggling or fault.kind == "straggle"
         batch = make_batch(step, rank, seed=seed, batch_size=batch_size, features=features)
-        loss_value, t_computed = _train_step(model, optimizer, batch, device, log, rank, step, world_size,
-                                             nan=fault is not None and fault.kind == "nan",
-                                             straggle_s=straggle_extra_s if straggling else 0.0)
+        loss_value, t_computed, compute_s = _train_step(model, optimizer, batch, device, log, rank, step, world_size,
+                                                        nan=fault is not None and fault.kind == "nan",
+                                                        slowdown=straggle_slowdown if straggling else 0.0)
         t_end = time.time()
         checkpoint_s = _maybe_checkpoint(checkpointer, model, optimizer, step + 1, steps, checkpoint_every)
-        log.write("step", step=step, t_start=t_start, t_end=t_end, compute_s=t_computed - t_start,
+        log.write("step", step=step, t_start=t_start, t_end=t_end, compute_s=compute_s,
                   sync_s=t_end - t_computed, checkpoint_s=checkpoint_s, loss=loss_value)
     _finish(checkpointer, log)
     return {"rank": rank, "attempt": attempt, "restored_step": start_step, "final_step": steps}
@@ -181,13 +187,18 @@ def _finish(checkpointer: Any, log: EventLog) -> None:
 
 
 def _train_step(model: Any, optimizer: Any, batch: tuple[Any, Any], device: Any, log: EventLog, rank: int, step: int,
-                world_size: int, *, nan: bool, straggle_s: float) -> tuple[float, float]:
-    """Forward, backward, gradient average, update; returns the loss and when compute ended (for the heartbeat).
+                world_size: int, *, nan: bool, slowdown: float) -> tuple[float, float, float]:
+    """Forward, backward, gradient average, update; returns the loss, when compute ended and how long it
+    took on the device's clock (:func:`compute_clock`), for the heartbeat.
 
-    ``nan`` and ``straggle_s`` are injected faults: a poisoned loss, a slow backward.
+    ``nan`` and ``slowdown`` are injected faults: a poisoned loss; a slow node, emulated by working on
+    for ``slowdown`` x the step's compute after the backward -- the condition is set, its detection is
+    the supervisor's own measurement.
     """
     import torch
 
+    clock = compute_clock(device)
+    c_start = clock()
     x, y = batch
     loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
     if nan:
@@ -195,13 +206,34 @@ def _train_step(model: Any, optimizer: Any, batch: tuple[Any, Any], device: Any,
     loss_value = _checked_loss_value(loss, log, rank, step)
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
-    if straggle_s:
-        time.sleep(straggle_s)
+    if slowdown:
+        until = clock() + slowdown * (clock() - c_start)
+        while clock() < until:
+            pass
+    compute_s = clock() - c_start
     t_computed = time.time()
     log.write("computed", step=step)
     _average_gradients(list(model.parameters()), world_size)
     optimizer.step()
-    return loss_value, t_computed
+    return loss_value, t_computed, compute_s
+
+
+def compute_clock(device: Any) -> Callable[[], float]:
+    """The clock a step's compute is timed on: the thread's CPU time on a CPU rank, the wall clock after
+    a synchronize on a GPU.
+
+    Why not the wall clock everywhere: ranks sharing a few cores wait for the scheduler, which made two
+    healthy ranks' compute differ by 10-16% over 7-step windows on the 2-core box, as much as a real
+    straggler's slowdown. CPU time counts only the work, as CUDA events count only the kernels.
+    """
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        def synchronized() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return synchronized
+    return time.thread_time
 
 
 def _build_and_resume(run_path: Path, features: int, hidden: int, lr: float, seed: int,

@@ -126,6 +126,15 @@ class RunReport:
         return sorted({r["fault_id"] for per_rank in self.records.values() for recs in per_rank.values()
                        for r in recs if r["event"] == "fault"})
 
+    def steps_to_detect(self, detection: Detection) -> int | None:
+        """Steps the blamed rank finished from its fault's step until the detection (how long a
+        straggler ran slow before the supervisor acted); None for a detection no fault explains."""
+        fault = next((f for f in self.faults if f.fault_id == detection.fault_id), None)
+        if fault is None:
+            return None
+        records = self.records.get(detection.attempt, {}).get(detection.rank, [])
+        return sum(1 for r in records if r["event"] == "step" and r["step"] >= fault.step and r["t"] <= detection.t_detect)
+
     def next_attempt(self, detection: Detection) -> Attempt | None:
         """The relaunch that followed a detection, if there was one."""
         index = detection.attempt + 1
@@ -332,3 +341,15 @@ def plot_goodput(report: RunReport, breakdown: GoodputBreakdown):
                fmt="{:.1f}", ylabel="seconds", title=f"where the wall time went (goodput {breakdown.goodput:.0%})")
     fig.tight_layout()
     return fig
+
+
+def compute_times(report: RunReport) -> dict[int, dict[int, dict[int, float]]]:
+    """attempt -> step -> rank -> compute seconds, from the ranks' heartbeat records."""
+    found: dict[int, dict[int, dict[int, float]]] = {}
+    for attempt, per_rank in report.records.items():
+        for rank, records in per_rank.items():
+            for r in records:
+                if r["event"] == "step":
+                    found.setdefault(attempt, {}).setdefault(r["step"], {})[rank] = r["compute_s"]
+    return found
+

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from labkit import checkpoint, heartbeat, interval, recovery_report, savers, triage
+from labkit import checkpoint, heartbeat, interval, recovery_report, savers, stragglers, triage
 from labkit import recovery as rc
 from labkit import fault_plan, recovery_launch
 from labkit import recovery_rank as rr
@@ -71,28 +71,57 @@ def _step(rank: int, step: int, compute_s: float) -> dict:
     return {"event": "step", "t": time.time(), "step": step, "compute_s": compute_s}
 
 
-def test_straggler_is_the_rank_whose_own_compute_is_the_outlier():
-    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
-    for step in range(10):
-        watch.feed(0, _step(0, step, 0.05))
-        watch.feed(1, _step(1, step, 0.05 if step < 6 else 0.45))
+def _ranks_ready(watch: heartbeat.HeartbeatWatch, ranks) -> None:
+    for rank in ranks:
+        watch.feed(rank, {"event": "ready", "t": time.time(), "restored_step": 0})
+
+
+def test_a_rank_30_percent_slower_is_caught_once_its_whole_window_is_slow():
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 7))
+    _ranks_ready(watch, [0, 1])
+    for step in range(20):
+        watch.feed(0, _step(0, step, 0.010))
+        watch.feed(1, _step(1, step, 0.010 if step < 10 else 0.013))
+        if step == 15:
+            assert watch.straggler is None, "its window still holds a step at full speed"
+    assert watch.straggler is not None and watch.straggler[0] == 1
+    assert "1.30x" in watch.straggler[1] and "steps 10-16" in watch.straggler[1]
+
+
+def test_bursts_on_a_healthy_rank_are_noise_not_a_straggler():
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 7))
+    _ranks_ready(watch, [0, 1])
+    for step in range(40):
+        watch.feed(0, _step(0, step, 0.010))
+        watch.feed(1, _step(1, step, 0.030 if step % 3 else 0.011))
+    assert watch.straggler is None, "slow two steps in three, but its fastest step is 1.1x the other's"
+
+
+def test_a_step_is_judged_once_every_ready_rank_reported_it():
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 1))
+    _ranks_ready(watch, [0, 1, 2])
+    watch.feed(0, _step(0, 0, 0.010))
+    watch.feed(1, _step(1, 0, 0.020))
+    assert watch.straggler is None, "rank 2 has not reported step 0 yet"
+    watch.feed(2, _step(2, 0, 0.010))
     assert watch.straggler is not None and watch.straggler[0] == 1
 
 
-def test_one_slow_step_is_noise_not_a_straggler():
-    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
-    for step in range(10):
-        watch.feed(0, _step(0, step, 0.05))
-        watch.feed(1, _step(1, step, 0.9 if step in (3, 6) else 0.05))
-    assert watch.straggler is None
+def test_window_ratios_are_what_the_rule_judges():
+    compute = {step: {0: 0.010, 1: 0.010 * (1.3 if step >= 5 else 1.0)} for step in range(10)}
+    ratios = stragglers.window_ratios(compute, 5)
+    assert ratios[1] == pytest.approx([1.0] * 5 + [1.3])
+    assert ratios[0] == pytest.approx([1.0] * 5 + [1 / 1.3])
+    rule = stragglers.StragglerRule(1.15, 5)
+    assert not rule.is_slow([0.013] * 4, [0.010] * 4), "a window not yet full"
+    assert rule.is_slow([0.013, 0.02, 0.013, 0.05, 0.013], [0.010, 0.03, 0.010, 0.010, 0.011])
 
 
 @pytest.mark.parametrize("field, value, says", [("factor", 1.0, "factor must be > 1"),
-                                                ("min_excess_s", -0.1, "min_excess_s must be >= 0"),
-                                                ("patience", 0, "patience must be >= 1")])
+                                                ("window", 0, "window must be >= 1")])
 def test_a_straggler_rule_that_could_never_or_always_fire_is_refused(field, value, says):
     with pytest.raises(ValueError, match=says):
-        heartbeat.StragglerRule(**{field: value})
+        stragglers.StragglerRule(**{field: value})
 
 
 def test_goodput_falls_on_both_sides_of_the_young_daly_interval():
@@ -115,7 +144,7 @@ def test_simulated_goodput_matches_the_first_order_model_near_the_optimum():
 
 
 def test_a_silent_rank_is_never_called_hung_before_the_heartbeat_timeout():
-    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 7))
     now = time.time()
     _ready(watch, [0, 1], now - 20)
     watch.feed(0, {"event": "computed", "t": now - 4.9, "step": 3})
@@ -348,7 +377,7 @@ def _ready(watch: heartbeat.HeartbeatWatch, ranks, t: float) -> None:
 
 
 def test_silence_before_the_first_step_is_a_hang_once_every_rank_is_ready():
-    watch = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 7))
     now = time.time()
     _ready(watch, [0], now - 10)
     assert heartbeat.silence_verdict(watch, 2, now, 10.0, 2.0, 60.0) is None, "rank 1 is still starting up"
@@ -356,7 +385,7 @@ def test_silence_before_the_first_step_is_a_hang_once_every_rank_is_ready():
     watch.feed(1, {"event": "computed", "t": now - 8, "step": 0})
     rank, detail = heartbeat.silence_verdict(watch, 2, now, 10.0, 2.0, 60.0)
     assert rank == 0 and "before its first step" in detail
-    late = heartbeat.HeartbeatWatch(heartbeat.StragglerRule(3.0, 0.15, 3))
+    late = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 7))
     _ready(late, [1], now)
     assert heartbeat.silence_verdict(late, 2, now, 61.0, 2.0, 60.0) == (
         0, "rank 0 was not ready within startup_timeout_s=60s")

@@ -197,3 +197,19 @@ def test_prepare_generates_each_labs_images_before_the_workshop(data_root, monke
     out = capsys.readouterr().out
     assert "Lab 1: 40 images" in out and "Lab 2: 30 images" in out and "CPUAdamBuilder: ready" in out
     assert len(list(data_root.glob("*/**/*.jpg"))) == 40 + 30
+
+
+def test_a_labs_figures_are_this_runs_only(tmp_path):
+    import base64
+
+    import nbformat
+
+    from labkit.course.runner import _save_images
+
+    (tmp_path / "figure-12-0.png").write_bytes(b"a figure from a run whose cells sat elsewhere")
+    nb = nbformat.v4.new_notebook()
+    png = base64.b64encode(b"\x89PNG this run").decode()
+    nb.cells = [nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output("display_data", data={"image/png": png})])]
+    saved = _save_images(nb, tmp_path)
+    assert [p.name for p in saved] == ["figure-00-0.png"]
+    assert sorted(p.name for p in tmp_path.glob("figure-*.png")) == ["figure-00-0.png"]

@@ -99,7 +99,7 @@ TRIM_LAB8_ASSUMED_LINKS = """
 """
 TRIM_LAB8_NAN_ONLY = """
     from labkit import fault_plan
-    fault_plan.FAULT_KINDS = ("nan",)
+    fault_plan.SUDDEN_KINDS = ("nan",)
 """
 TRIM_LAB6_BYTES_ONLY = """
     import dataclasses
@@ -415,6 +415,11 @@ SABOTAGES = [
         triage.node_at_fault = lambda cause: True
     """, fails_at="71cc3d7e", says="a NaN is the program's: the ranks restart on the same nodes",
              needs=('48b1b338', 'fc74298f', '67abeab2', 'dce1689b'), trim=TRIM_LAB8_NAN_ONLY),
+    Sabotage("08_recovery_and_placement", "a straggler rule that never fires", """
+        from labkit import stragglers
+        stragglers.StragglerRule.is_slow = lambda self, own_s, others_s: False
+    """, fails_at="straggler-asserts-08", says="the slow rank was caught",
+             needs=('48b1b338', '67abeab2', 'straggler-run-08')),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None

@@ -267,6 +267,9 @@ def _short_error(text: str, lines: int = 12) -> str:
 
 
 def _save_images(nb, lab_dir: Path) -> list[Path]:
+    """This run's figures; a previous run's in the same folder go, as cells may have moved since."""
+    for old in lab_dir.glob("figure-*.png"):
+        old.unlink()
     saved = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):

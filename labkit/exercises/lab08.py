@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from labkit import fault_plan, recovery
 from labkit.exercises import Verdict, check_code, predict
-from labkit.heartbeat import read_new
-from labkit.recovery_report import RunReport
+from labkit.heartbeat import HeartbeatWatch
+from labkit.recovery_rank import STRAGGLE_SLOWDOWN
+from labkit.recovery_report import RunReport, compute_times
+from labkit.stragglers import StragglerRule
 
-StragglerTest = Callable[[float, float], bool]
-PATIENCE = 3
-"""Steps running a rule must hold before the supervisor acts (as :class:`labkit.heartbeat.StragglerRule`)."""
+StragglerTest = Callable[[list[float], list[float]], bool]
 
 
 def hang_detection(size: recovery.RecoverySizes, prediction, *, world_size: int, timeout_s: float = 2.0,
@@ -37,40 +37,49 @@ def hang_detection(size: recovery.RecoverySizes, prediction, *, world_size: int,
                                        f"{got - timeout_s:+.2f} s here. An exit code is seen at once.")
 
 
-def straggler_rule(report: RunReport, plan: list[fault_plan.Fault], answer) -> bool | None:
-    """Exercise 8.2: ``is_slow(own_s, others_median_s)``, applied ``PATIENCE`` steps running as the supervisor
-    does, must catch the straggler of the faulted run and nobody else, on its real heartbeat records."""
-    straggle = next(f for f in plan if f.kind == "straggle")
-    fired_in = next(d.attempt for d in report.detections if d.fault_id == straggle.fault_id)
-    attempts = _compute_times(report.run_dir)
-
+def straggler_rule(reports: Sequence[RunReport], fault: fault_plan.Fault, answer) -> bool | None:
+    """Exercise 8.2: ``is_slow(own_s, others_s)``, given every full window of a rank's compute times and
+    the other ranks' median at the same steps in ``reports``' real heartbeat records, must catch
+    ``fault``'s straggler before its attempt ended and call no healthy rank slow."""
     def test(rule: StragglerTest) -> str | None:
-        for attempt, per_step in attempts.items():
-            streak: dict[int, int] = {}
-            for step in sorted(per_step):
-                times = per_step[step]
-                for rank, own in times.items():
-                    others = statistics.median(t for r, t in times.items() if r != rank)
-                    streak[rank] = streak.get(rank, 0) + 1 if rule(own, others) else 0
-                    straggling = attempt == fired_in and rank == straggle.rank and step >= straggle.step
-                    if streak[rank] >= PATIENCE and not straggling:
-                        return (f"it calls rank {rank} a straggler at step {step} of attempt {attempt} "
-                                f"({own * 1e3:.1f} ms against {others * 1e3:.1f} ms): a false alarm restarts a "
-                                "healthy run")
-                    if straggling and step >= straggle.step + PATIENCE - 1 and streak[rank] < PATIENCE:
-                        return (f"rank {rank} computed {own * 1e3:.0f} ms against {others * 1e3:.1f} ms from step "
-                                f"{straggle.step} on, and the rule had not caught it by step {step}")
+        for report in reports:
+            fired_in = next((d.attempt for d in report.detections if d.fault_id == fault.fault_id), None)
+            for attempt, per_step in compute_times(report).items():
+                problem = _replay(rule, per_step, fault if attempt == fired_in else None, attempt)
+                if problem:
+                    return problem
         return None
 
-    return check_code("8.2", answer, what="a function is_slow(own_s, others_median_s) -> bool", test=test)
+    return check_code("8.2", answer, what="a function is_slow(own_s, others_s) -> bool", test=test)
 
 
-def _compute_times(run_dir: Path) -> dict[int, dict[int, dict[int, float]]]:
-    """attempt -> step -> rank -> compute seconds, from every rank's heartbeat file."""
-    found: dict[int, dict[int, dict[int, float]]] = {}
-    for path in sorted(run_dir.glob("attempt-*/rank*.jsonl")):
-        attempt, rank = int(path.parent.name.split("-")[1]), int(path.stem[len("rank"):])
-        for record in read_new(path, {}):
-            if record["event"] == "step":
-                found.setdefault(attempt, {}).setdefault(record["step"], {})[rank] = record["compute_s"]
-    return {a: {s: t for s, t in steps.items() if len(t) > 1} for a, steps in found.items()}
+@dataclass(frozen=True)
+class _LearnersRule(StragglerRule):
+    """The supervisor's rule with the learner's test in place of its own."""
+
+    test: StragglerTest | None = None
+
+    def is_slow(self, own_s, others_s) -> bool:
+        return len(own_s) >= self.window and bool(self.test(list(own_s)[-self.window:], list(others_s)[-self.window:]))
+
+
+def _replay(rule: StragglerTest, per_step: dict[int, dict[int, float]], fault: fault_plan.Fault | None,
+            attempt: int) -> str | None:
+    """Why ``rule``, in the supervisor's own :class:`HeartbeatWatch` fed one attempt's records, fails: a
+    false alarm, or ``fault``'s straggler never caught; None when it passes."""
+    watch = HeartbeatWatch(_LearnersRule(test=rule))
+    for rank in sorted({r for times in per_step.values() for r in times}):
+        watch.feed(rank, {"event": "ready", "t": 0.0})
+    for step in sorted(per_step):
+        for rank, compute_s in per_step[step].items():
+            watch.feed(rank, {"event": "step", "t": 0.0, "step": step, "compute_s": compute_s})
+        if watch.straggler is not None:
+            rank, detail = watch.straggler
+            if fault is not None and rank == fault.rank and step >= fault.step:
+                return None
+            return (f"it calls rank {rank} a straggler at step {step} of attempt {attempt}, a healthy rank ({detail}): "
+                    "a false alarm restarts a healthy run")
+    if fault is not None:
+        return (f"rank {fault.rank} did {STRAGGLE_SLOWDOWN:.0%} more work per step from step {fault.step} on, "
+                "and the rule never caught it")
+    return None

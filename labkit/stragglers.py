@@ -1,0 +1,95 @@
+"""Telling a straggler from a healthy rank: the rule the supervisor applies, and what it judges.
+
+A straggler is a rank whose node still works, only slower: real ones are 10-30% slower, and two
+healthy ranks on a shared machine differ too. :class:`StragglerRule` compares each rank's compute
+with the other ranks' at the same step over a window of steps; :func:`worst_window_ratio` measures
+how far healthy ranks drift, the margin the rule's threshold must clear; :func:`plot_windows` shows
+both runs against the threshold.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from labkit.fault_plan import Fault
+from labkit.recovery_report import RunReport, compute_times
+
+
+@dataclass(frozen=True)
+class StragglerRule:
+    """A rank straggles when its fastest step over the last ``window`` steps is more than ``factor``
+    times the other ranks' fastest over the same steps (:func:`window_ratio`).
+
+    Why the fastest step: interference from a neighbour (a shared core, a cache, a background write)
+    only ever adds time, so a node's fastest step in a window is its speed, while a slow node is slow at
+    every step, its fastest included. Why steps of the same window: whatever slows every rank (a busy
+    machine, a bigger batch) cancels. On the 2-core CI box the fastest-step ratio of two healthy ranks
+    stayed within 1.06x over 31-step windows, where their median ratio reached 1.17x (a false alarm at
+    this threshold); a rank doing 30% more work measured 1.29-1.33x. The price: a slow node is seen
+    only once its whole window is slow, ``window`` steps after it turned.
+    """
+
+    factor: float = 1.15
+    window: int = 31
+
+    def __post_init__(self) -> None:
+        if self.factor <= 1:
+            raise ValueError(f"straggler factor must be > 1, got {self.factor}")
+        if self.window < 1:
+            raise ValueError(f"straggler window must be >= 1 step, got {self.window}")
+
+    def is_slow(self, own_s: Sequence[float], others_s: Sequence[float]) -> bool:
+        """Do the last ``window`` steps (own compute, and the other ranks' median compute) say straggler?"""
+        return len(own_s) >= self.window and window_ratio(own_s[-self.window:], others_s[-self.window:]) > self.factor
+
+
+def window_ratio(own_s: Sequence[float], others_s: Sequence[float]) -> float:
+    """A rank's fastest step over the others' fastest, over the same steps."""
+    return min(own_s) / min(others_s)
+
+
+def others_median(compute_s: dict[int, float]) -> dict[int, float]:
+    """rank -> the median of the other ranks' compute at one step (two ranks or more)."""
+    return {rank: statistics.median(t for r, t in compute_s.items() if r != rank) for rank in compute_s}
+
+
+def window_ratios(compute_s: dict[int, dict[int, float]], window: int) -> dict[int, list[float]]:
+    """rank -> :func:`window_ratio` of every full ``window`` of steps, from step -> rank -> compute
+    seconds: what :class:`StragglerRule` judges, for one attempt."""
+    steps = sorted(s for s, times in compute_s.items() if len(times) > 1)
+    others = [others_median(compute_s[s]) for s in steps]
+    ranks = sorted(compute_s[steps[0]]) if steps else []
+    return {rank: [window_ratio([compute_s[s][rank] for s in steps[i - window:i]], [o[rank] for o in others[i - window:i]])
+                   for i in range(window, len(steps) + 1)] for rank in ranks}
+
+
+def worst_window_ratio(report: RunReport, window: int) -> float:
+    """The largest :func:`window_ratio` any rank reached in any attempt of ``report``: how far apart
+    healthy ranks drift, for a straggler threshold to clear."""
+    return max([1.0, *(r for per_step in compute_times(report).values()
+                       for ratios in window_ratios(per_step, window).values() for r in ratios)])
+
+
+def plot_windows(clean: RunReport, straggled: RunReport, fault: Fault, rule: StragglerRule):
+    """Every rank's :func:`window_ratio`, step by step: the healthy run's ranks against the straggler's, with the
+    rule's threshold and the step the node turned slow."""
+    from labkit import plots
+
+    fig, (ax,) = plots.figure(1, width=9, height=3.8)
+    for name, report, style in (("healthy run", clean, ":"), ("straggler run", straggled, "-")):
+        for attempt, per_step in compute_times(report).items():
+            steps = sorted(s for s, times in per_step.items() if len(times) > 1)[rule.window - 1:]
+            for rank, medians in window_ratios(per_step, rule.window).items():
+                slow = report is straggled and rank == fault.rank and attempt == 0
+                ax.plot(steps, medians, style, lw=1.6 if slow else 1.0,
+                        color=plots.WARN if slow else (plots.BASELINE if report is clean else plots.FIX),
+                        label=f"{name}, rank {rank}, attempt {attempt}")
+    ax.axhline(rule.factor, color="black", lw=0.8, ls="--", label=f"threshold {rule.factor}x")
+    ax.axvline(fault.step, color=plots.WARN, lw=0.8, ls=":", label=f"rank {fault.rank} slows (step {fault.step})")
+    ax.set_xlabel(f"step (window of the {rule.window} steps ending here)")
+    ax.set_ylabel("fastest step / others' fastest (x)")
+    ax.set_title("measured: each rank's compute against the other ranks'")
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    return fig
