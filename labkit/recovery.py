@@ -119,7 +119,7 @@ def supervise(
     """
     plan, max_restarts = _checked_plan(world_size, spares, faults, max_restarts, heartbeat_timeout_s, backend,
                                        train_kwargs)
-    run_path = _fresh_run_dir(Path(run_dir))
+    run_path = fresh_run_dir(Path(run_dir))
     run_id = uuid.uuid4().hex
     report = RunReport(run_path, world_size, plan, [], [], [], time.time(), 0.0)
     all_procs: list[subprocess.Popen] = []
@@ -158,7 +158,7 @@ def _checked_plan(
     return plan, max_restarts
 
 
-def _fresh_run_dir(run_path: Path) -> Path:
+def fresh_run_dir(run_path: Path) -> Path:
     """Empty ``run_path`` for a new run; only a previous run's folder may be wiped, never someone's files."""
     if run_path.exists() and any(run_path.iterdir()) and not (run_path / "attempt-000").exists():
         raise ValueError(f"run_dir {run_path} holds files that are not a previous run's; give an empty or new folder")

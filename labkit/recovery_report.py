@@ -135,6 +135,15 @@ class RunReport:
         records = self.records.get(detection.attempt, {}).get(detection.rank, [])
         return sum(1 for r in records if r["event"] == "step" and r["step"] >= fault.step and r["t"] <= detection.t_detect)
 
+    def redone_steps(self, detection: Detection) -> int:
+        """Steps the failed attempt had completed that the next one computed again (from its checkpoint on)."""
+        nxt = self.next_attempt(detection)
+        if nxt is None or nxt.restored_step is None:
+            return 0
+        done = {r["step"] for records in self.records.get(detection.attempt, {}).values()
+                for r in records if r["event"] == "step"}
+        return sum(1 for step in done if step >= nxt.restored_step)
+
     def next_attempt(self, detection: Detection) -> Attempt | None:
         """The relaunch that followed a detection, if there was one."""
         index = detection.attempt + 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from labkit import checkpoint, heartbeat, interval, recovery_report, savers, stragglers, triage
+from labkit import checkpoint, elastic, heartbeat, interval, processes, recovery_report, savers, stragglers, triage
 from labkit import recovery as rc
 from labkit import fault_plan, recovery_launch
 from labkit import recovery_rank as rr
@@ -246,19 +245,31 @@ def test_supervisor_refuses_to_wipe_a_folder_that_is_not_a_run(tmp_path):
 
 @pytest.mark.slow
 def test_same_entry_point_restarts_under_torchrun(tmp_path, clean_run):
-    kwargs = {**TINY, **KILLED_AFTER_A_COMMITTED_CHECKPOINT, "run_dir": str(tmp_path / "run"),
-              "faults": [{"kind": "kill", "rank": 1, "step": 5}]}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "-m", "labkit.recovery_rank", "--kwargs", json.dumps(kwargs)],
-        capture_output=True, text=True, timeout=300,
-        # torchrun leaves a torchelastic_* folder in the temp dir; keep it inside tmp_path.
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "run").glob("attempt-*")) == ["attempt-000", "attempt-001"]
-    assert '"attempt": 1, "restored_step": 4' in done.stdout
+    run = elastic.run_torchrun(tmp_path / "run", world_size=2, faults=[fault_plan.Fault("kill", 1, 5)], max_restarts=1,
+                               **TINY, **KILLED_AFTER_A_COMMITTED_CHECKPOINT)
+    assert run.returncode == 0, run.stderr_tail
+    assert run.attempts == 2 and run.restored_step == 4 and run.redone_steps == 1
+    assert 0 < run.fault_to_next_step_s < run.wall_s
     assert rr.bit_identical(rr.final_weights(clean_run.run_dir), rr.final_weights(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("field, value, says", [("max_restarts", -1, "max_restarts must be >= 0"),
+                                                ("world_size", 0, "world_size must be >= 1"),
+                                                ("timeout_s", 0, "timeout_s must be > 0")])
+def test_torchrun_refuses_bad_arguments_by_name(tmp_path, field, value, says):
+    arguments = {"world_size": 2, "faults": [], "max_restarts": 1, "timeout_s": 60.0, field: value}
+    with pytest.raises(ValueError, match=says):
+        elastic.run_torchrun(tmp_path / "run", **arguments, **TINY)
+
+
+@pytest.mark.slow
+def test_torchrun_past_its_timeout_is_killed_with_its_workers(tmp_path):
+    with pytest.raises(TimeoutError, match="timeout_s=8"):
+        elastic.run_torchrun(tmp_path / "run", world_size=2, faults=[fault_plan.Fault("hang", 0, 2)], max_restarts=0,
+                             timeout_s=8, **TINY)
+    pids = [json.loads(line)["pid"] for path in (tmp_path / "run").glob("attempt-*/rank*.jsonl")
+            for line in path.read_text().splitlines() if '"ready"' in line]
+    assert pids and not any(processes.running(pid) for pid in pids), "no rank outlives torchrun"
 
 
 @pytest.mark.slow

@@ -101,6 +101,10 @@ TRIM_LAB8_NAN_ONLY = """
     from labkit import fault_plan
     fault_plan.SUDDEN_KINDS = ("nan",)
 """
+TRIM_LAB8_KILL_ONLY = """
+    from labkit import fault_plan
+    fault_plan.SUDDEN_KINDS = ("kill",)
+"""
 TRIM_LAB6_BYTES_ONLY = """
     import dataclasses
     from labkit import zeropp_fabric
@@ -420,6 +424,12 @@ SABOTAGES = [
         stragglers.StragglerRule.is_slow = lambda self, own_s, others_s: False
     """, fails_at="straggler-asserts-08", says="the slow rank was caught",
              needs=('48b1b338', '67abeab2', 'straggler-run-08')),
+    Sabotage("08_recovery_and_placement", "torchrun without restarts", """
+        from labkit import elastic
+        _run_torchrun = elastic.run_torchrun
+        elastic.run_torchrun = lambda *args, **kwargs: _run_torchrun(*args, **{**kwargs, "max_restarts": 0})
+    """, fails_at="elastic-asserts-08", says="torchrun restarted the job once",
+             needs=('48b1b338', 'fc74298f', '67abeab2', 'dce1689b', 'elastic-run-08'), trim=TRIM_LAB8_KILL_ONLY),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
