@@ -27,6 +27,14 @@ from labkit.models import mlp, parameter_count
 from labkit.profiles import require_at_least
 
 
+PROFILE_OVER_LOOP_BAND = (0.75, 1.02)
+"""A synchronous run's checkpoint share as ``labkit.diagnose`` profiles it, over the share of the same steps
+the loop timed in save calls. Below 1: the profile names ``torch.save`` and ``fsync``, most of a save but
+not its loadability check, renames, manifest and pruning. Saving every step, as Lab 7's diagnosis does, 10 runs on the 2-core CI box gave
+0.82-0.86 (every 2 steps, 30 runs: 0.85-0.93; against the whole run's loop share, unprofiled steps
+included, 0.82-1.13, which once failed a 10-point agreement)."""
+
+
 @dataclass(frozen=True)
 class StallSizes:
     """A training state of ``state_mb`` MB trained ``steps`` steps and saved every ``save_every``; on real
@@ -148,6 +156,8 @@ class TrainingRun:
     write_spans: list[tuple[float, float]]
     peak_rss_added_bytes: int
     losses: list[float]
+    origin_s: float = 0.0
+    """``time.perf_counter()`` when the first step started; every span is in seconds after it."""
 
     @property
     def end_s(self) -> float:
@@ -180,6 +190,13 @@ class TrainingRun:
         if baseline.kind != "none":
             raise ValueError(f"the baseline must be the run without checkpoints (kind 'none'), got {baseline.kind!r}")
         return goodput(self.steps * baseline.fastest_step_s, self.end_s)
+
+    def blocked_share(self, window: tuple[float, float] | None = None) -> float:
+        """Share of the wall time training stood in save calls, as the loop timed it; within ``window``
+        (two ``time.perf_counter()`` readings, e.g. the steps a profiler recorded) if given."""
+        start, end = window if window is not None else (self.origin_s, self.origin_s + self.wall_s)
+        inside = [seconds for called, seconds in self.blocked_spans if start <= self.origin_s + called < end]
+        return sum(inside) / (end - start)
 
     @property
     def mean_blocked_s(self) -> float:
@@ -265,7 +282,7 @@ def train_with_checkpoints(
         state_bytes=savers.state_bytes(checkpoint.capture_training_state(model, optimizer, loader_position=0)),
         wall_s=wall_s, drain_s=drain_s, compute_s=sum(d for _, d in step_spans), saves=saves,
         step_spans=step_spans, blocked_spans=blocked_spans, write_spans=write_spans,
-        peak_rss_added_bytes=rss.added_bytes, losses=losses,
+        peak_rss_added_bytes=rss.added_bytes, losses=losses, origin_s=origin,
     )
 
 

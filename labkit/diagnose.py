@@ -117,6 +117,16 @@ class Diagnosis:
         return self
 
     @property
+    def profiled_window(self) -> tuple[float, float]:
+        """``time.perf_counter()`` at the start and end of the profiled (active) steps, so another clock can be
+        read over the same steps; a step ends at its optimizer step."""
+        first = self.baseline_steps + self.warmup - 1
+        if len(self._marks) < first + self.steps + 1:
+            raise RuntimeError(f"the profiled steps have not ended: {len(self._marks)} optimizer steps seen, "
+                               f"{first + self.steps + 1} needed")
+        return self._marks[first], self._marks[first + self.steps]
+
+    @property
     def steps_seen(self) -> int:
         """Optimizer steps the hook has seen so far."""
         return len(self._marks)

@@ -514,3 +514,12 @@ def test_plan_sizes_times_steps_and_a_save_here(tmp_path):
     assert plan.step_s > 0 and plan.write_s > 0
     assert plan.sizes.save_every * plan.step_s >= 2 * plan.write_s or plan.sizes.save_every == base.save_every
     assert "saves per run" in plan.describe()
+
+
+def test_blocked_share_reads_the_loops_clock_over_a_window_of_its_steps():
+    from dataclasses import replace
+
+    run = replace(_run("sync", [1.0] * 4, blocked_s=2.0), origin_s=100.0,
+                  blocked_spans=[(1.0, 0.5), (3.0, 1.5)])
+    assert run.blocked_share() == pytest.approx(2.0 / 6.0)
+    assert run.blocked_share((102.0, 104.0)) == pytest.approx(1.5 / 2.0), "only the save called inside the window"

@@ -203,3 +203,13 @@ def test_the_python_api_profiles_a_loop_in_this_process_and_lets_it_go_on(tmp_pa
     assert max(result.shares, key=result.shares.get) == "data" and result.shares["data"] > 0.5
     assert result.state_bytes.parameters == (256 * 10 + 10) * 4 and result.state_bytes.optimizer_state == 0
     assert json.loads((tmp_path / "rank0.json").read_text())["trace"] == "trace-rank0.json"
+
+
+def test_the_profiled_window_is_asked_for_only_once_its_steps_have_ended(tmp_path):
+    from labkit import diagnose
+
+    probe = diagnose.Diagnosis(tmp_path, steps=2, warmup=1, baseline_steps=2)
+    with pytest.raises(RuntimeError, match="profiled steps have not ended: 0 optimizer steps seen, 5 needed"):
+        probe.profiled_window
+    probe._marks = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert probe.profiled_window == (3.0, 5.0), "steps 3 and 4, after 2 unprofiled and 1 warm-up"
