@@ -33,6 +33,11 @@ the loop timed in save calls. Below 1: the profile names ``torch.save`` and ``fs
 not its loadability check, renames, manifest and pruning. Saving every step, as Lab 7's diagnosis does, 10 runs on the 2-core CI box gave
 0.82-0.86 (every 2 steps, 30 runs: 0.85-0.93; against the whole run's loop share, unprofiled steps
 included, 0.82-1.13, which once failed a 10-point agreement)."""
+SAVES_DOMINATE = 0.6
+"""The share of the steps a synchronous run spent in save calls, by its own clock, above which a diagnosis
+must name the checkpoint: the rest of a step is compute, one category. The diagnosed job saves every step;
+in 10 runs of Lab 7 here its saves took 51-83% of the steps, as the disk absorbed the writes faster or
+slower, and at 51% the profile found checkpoint 44%, compute 48% (at 61-62%: checkpoint 53-55%)."""
 
 
 @dataclass(frozen=True)

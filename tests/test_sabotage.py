@@ -407,12 +407,12 @@ SABOTAGES = [
         import contextlib
         from labkit import diagnose
         diagnose._checkpoint_spans = contextlib.nullcontext
-    """, fails_at="diagnose-asserts-07", says="the synchronous run is checkpoint-bound",
+    """, fails_at="diagnose-asserts-07", says="the profile finds a little less than the loop's clock",
              needs=('09780d08', 'diagnose-07')),
     Sabotage("07_checkpoints_and_fusion", "the diagnosis labels every step as checkpoint", """
         from labkit import step_attribution
         step_attribution.CHECKPOINT_SPAN = ""
-    """, fails_at="diagnose-asserts-07", says="never more",
+    """, fails_at="diagnose-asserts-07", says="the profile finds a little less than the loop's clock",
              needs=('09780d08', 'diagnose-07')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
