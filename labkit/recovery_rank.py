@@ -222,9 +222,10 @@ def compute_clock(device: Any) -> Callable[[], float]:
     """The clock a step's compute is timed on: the thread's CPU time on a CPU rank, the wall clock after
     a synchronize on a GPU.
 
-    Why not the wall clock everywhere: ranks sharing a few cores wait for the scheduler, which made two
-    healthy ranks' compute differ by 10-16% over 7-step windows on the 2-core box, as much as a real
-    straggler's slowdown. CPU time counts only the work, as CUDA events count only the kernels.
+    Why not the wall clock everywhere: ranks sharing a few cores wait for the scheduler, and the wall
+    clock counts that wait as the rank's compute. CPU time counts only the work, as CUDA events count
+    only the kernels. (What told a slow rank from healthy ones here was comparing fastest steps,
+    :class:`labkit.stragglers.StragglerRule`: on either clock, healthy ranks' median steps drifted apart.)
     """
     import torch
 

@@ -26,9 +26,10 @@ class StragglerRule:
     only ever adds time, so a node's fastest step in a window is its speed, while a slow node is slow at
     every step, its fastest included. Why steps of the same window: whatever slows every rank (a busy
     machine, a bigger batch) cancels. On the 2-core CI box the fastest-step ratio of two healthy ranks
-    stayed within 1.06x over 31-step windows, where their median ratio reached 1.17x (a false alarm at
-    this threshold); a rank doing 30% more work measured 1.29-1.33x. The price: a slow node is seen
-    only once its whole window is slow, ``window`` steps after it turned.
+    stayed within 1.01-1.09x over 31-step windows in 26 runs, where their median ratio reached 1.17x (a
+    false alarm at this threshold); a rank doing 30% more work measured 1.29-1.33x once its whole window
+    was slow. The price: a slow node is seen only once its whole window is slow, ``window`` steps after
+    it turned (30-32 steps in 10 runs).
     """
 
     factor: float = 1.15
