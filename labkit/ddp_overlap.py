@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from typing import Any, Sequence
 
@@ -39,8 +38,7 @@ from torch import nn
 from labkit.collectives import CommCounter, register_counting_hook
 from labkit.ddp_overlap_model import (NO_COMMUNICATION, ONE_BUCKET_BYTES, SMALL_BUCKET_BYTES, VARIANTS, OverlapResult,
                                       OverlapSizes)
-from labkit.gradsync_links import LinkMode, emulated_link, link_mode, set_link_rate
-from labkit.gradsync_model import two_node_topology
+from labkit.gradsync_links import LinkMode, emulated_link, launch_over_links, link_mode, set_link_rate
 from labkit.gradsync_workload import make_model, param_bytes
 
 SIZES = {
@@ -253,7 +251,6 @@ def overlap_rank(hidden: int, layers: int, batch: int, timed_steps: int, rounds:
 def run_overlap(world_size: int = 2, sizes: OverlapSizes | None = None, mode: LinkMode | None = None,
                 timeout_s: float = 300.0) -> OverlapResult:
     """One launch of gloo ranks, one per node, over a link at ``sizes.rate_gbit`` (real where possible)."""
-    from labkit.launcher import launch
     from labkit.profiles import profile
 
     if world_size < 2:
@@ -263,14 +260,8 @@ def run_overlap(world_size: int = 2, sizes: OverlapSizes | None = None, mode: Li
     backend = "gloo"
     mode = mode or link_mode(backend)
     kwargs = dataclasses.asdict(chosen)
-    if mode.mode == "namespaces":
-        from labkit import fabric
-
-        with fabric.Fabric(two_node_topology(world_size, chosen.rate_gbit)) as fab:
-            ranks = launch(overlap_rank, world_size, backend=backend, timeout_s=timeout_s, fabric=fab,
-                           links=fab.links, **kwargs)
-    else:
-        ranks = launch(overlap_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+    ranks = launch_over_links(overlap_rank, world_size, chosen.rate_gbit, mode, backend=backend, timeout_s=timeout_s,
+                              **kwargs)
     got = ranks[0]
     return OverlapResult(link_mode=mode, sizes=chosen, world_size=world_size, timed=got["timed"],
                          bucket_bytes=got["bucket_bytes"], timelines=got["timelines"],

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.collectives import CommCounter, register_counting_hook
-from labkit.gradsync_links import LinkMode, emulated_link, link_mode, set_link_rate, uplink_bytes
-from labkit.gradsync_model import MODES, UNSHAPED_GBIT, GradSyncResult, gradsync_result, ms_per_sample, two_node_topology
+from labkit.gradsync_links import LinkMode, emulated_link, launch_over_links, link_mode, set_link_rate, uplink_bytes
+from labkit.gradsync_model import MODES, UNSHAPED_GBIT, GradSyncResult, gradsync_result, ms_per_sample
 from labkit.gradsync_workload import GradSyncSizes, check_accumulation, make_model, micro_batches, param_bytes
 
 
@@ -267,7 +267,6 @@ def run_experiment(
     argument before any rank starts.
     """
     from labkit import dsops
-    from labkit.launcher import launch
     from labkit.profiles import profile
 
     if world_size < 2:
@@ -288,12 +287,5 @@ def run_experiment(
     mode = mode or link_mode(backend)
     kwargs = dict(rates_gbit=rates, deepspeed_stages=tuple(deepspeed_stages),
                   deepspeed_accumulation=deepspeed_accumulation, **dataclasses.asdict(chosen))
-    if mode.mode == "namespaces":
-        from labkit import fabric
-
-        with fabric.Fabric(two_node_topology(world_size, rates[0])) as fab:
-            results = launch(train_rank, world_size, backend=backend, timeout_s=timeout_s, fabric=fab,
-                             links=fab.links, **kwargs)
-    else:
-        results = launch(train_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+    results = launch_over_links(train_rank, world_size, rates[0], mode, backend=backend, timeout_s=timeout_s, **kwargs)
     return gradsync_result(results, chosen, mode)

@@ -34,8 +34,7 @@ import torch.distributed as dist
 
 from labkit.collectives import CommCounter, register_counting_hook
 from labkit.gradsync import delayed_sync
-from labkit.gradsync_links import LinkMode, emulated_link, link_mode, set_link_rate
-from labkit.gradsync_model import two_node_topology
+from labkit.gradsync_links import LinkMode, emulated_link, launch_over_links, link_mode, set_link_rate
 from labkit.gradsync_workload import make_model
 from labkit.profiles import require_at_least
 
@@ -219,7 +218,6 @@ def predicted_crossover_window(alone_per_micro_batch_s: float, ceiling_per_micro
 def run_crossover(world_size: int = 2, sizes: CrossoverSizes | None = None, mode: LinkMode | None = None,
                   timeout_s: float = 300.0) -> CrossoverResult:
     """One launch on ``world_size`` ranks, one per node, over a link at ``sizes.rate_gbit`` (real where possible)."""
-    from labkit.launcher import launch
     from labkit.profiles import profile
 
     if world_size < 2:
@@ -229,14 +227,8 @@ def run_crossover(world_size: int = 2, sizes: CrossoverSizes | None = None, mode
     backend = prof.backend_for(world_size)
     mode = mode or link_mode(backend)
     kwargs = dataclasses.asdict(chosen)
-    if mode.mode == "namespaces":
-        from labkit import fabric
-
-        with fabric.Fabric(two_node_topology(world_size, chosen.rate_gbit)) as fab:
-            ranks = launch(crossover_rank, world_size, backend=backend, timeout_s=timeout_s, fabric=fab,
-                           links=fab.links, **kwargs)
-    else:
-        ranks = launch(crossover_rank, world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+    ranks = launch_over_links(crossover_rank, world_size, chosen.rate_gbit, mode, backend=backend, timeout_s=timeout_s,
+                              **kwargs)
     steps = ranks[0]["step_s"]
     return CrossoverResult(link_mode=mode, sizes=chosen, world_size=world_size, alone_step_s=steps["alone"],
                            ceiling_step_s=steps["ceiling"],

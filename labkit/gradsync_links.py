@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, Callable
 
 from labkit.collectives import Link
-from labkit.topology import gbit_to_bytes_per_s
+from labkit.topology import Topology, gbit_to_bytes_per_s
 
 EMULATED_ENV = "LABKIT_FABRIC"
 
@@ -73,3 +74,25 @@ def uplink_bytes() -> tuple[int, int]:
 
     uplink = counters(name)[UPLINK]
     return tcp_payload(uplink["tx_bytes"], uplink["tx_packets"]), uplink["qdisc_sent_bytes"]
+
+
+def two_node_topology(world_size: int, rate_gbit: float) -> Topology:
+    """One rank per node, every node's uplink at ``rate_gbit`` each way: the 2019 cluster in miniature."""
+    return Topology(nodes=world_size, ranks_per_node=1, inter_node_bytes_per_s=gbit_to_bytes_per_s(rate_gbit))
+
+
+def launch_over_links(rank_fn: Callable[..., Any], world_size: int, rate_gbit: float, mode: LinkMode, /, *,
+                      backend: str, timeout_s: float, **kwargs: Any) -> list[Any]:
+    """``rank_fn`` on ``world_size`` ranks, one per node of a fabric whose links run at ``rate_gbit``, where
+    ``mode`` is real links; otherwise plain ranks on this machine (the emulation sleeps inside them).
+    The fabric's links reach the ranks as ``links=`` to reshape; the fabric is gone when this returns.
+    The first four are positional only, so ``kwargs`` for the ranks may carry a ``rate_gbit`` of their own."""
+    from labkit.launcher import launch
+
+    if mode.mode != "namespaces":
+        return launch(rank_fn, world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+    from labkit import fabric
+
+    with fabric.Fabric(two_node_topology(world_size, rate_gbit)) as fab:
+        return launch(rank_fn, world_size, backend=backend, timeout_s=timeout_s, fabric=fab, links=fab.links,
+                      **kwargs)

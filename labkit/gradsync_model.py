@@ -16,9 +16,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
 from labkit.collectives import ring_bytes_per_rank
-from labkit.gradsync_links import LinkMode
+from labkit.gradsync_links import LinkMode, two_node_topology
 from labkit.gradsync_workload import check_accumulation
-from labkit.topology import Topology, gbit_to_bytes_per_s, predicted_s
+from labkit.topology import Topology, predicted_s
 
 if TYPE_CHECKING:
     from labkit.gradsync_workload import GradSyncSizes
@@ -43,11 +43,6 @@ the unshaped rate shows) grows with the load; 1.2 is about three times the worst
 excess seen. Faster links are printed, not held to it: at 0.5 Gbit/s the same
 runs gave 0.96-1.59, the CPU's share of each sync showing through.
 """
-
-
-def two_node_topology(world_size: int, rate_gbit: float) -> Topology:
-    """One rank per node, every node's uplink at ``rate_gbit`` each way: the 2019 cluster in miniature."""
-    return Topology(nodes=world_size, ranks_per_node=1, inter_node_bytes_per_s=gbit_to_bytes_per_s(rate_gbit))
 
 
 def syncs_per_step(mode: str, accumulation: int) -> int:

@@ -42,7 +42,7 @@ def test_ring_model_predicts_one_all_reduce_of_the_gradients_per_sync():
 
 
 def test_predicted_step_is_compute_plus_each_sync_at_the_link_rate_with_framing():
-    two_nodes = gradsync_model.two_node_topology(2, 0.1)
+    two_nodes = gradsync_links.two_node_topology(2, 0.1)
     assert two_nodes.inter_node_bytes_per_s == pytest.approx(0.1 * GBIT)
     # 2 ranks: the ring sends the whole gradient each way once per all-reduce
     one_sync_s = GRADIENT_BYTES / (0.1 * GBIT)

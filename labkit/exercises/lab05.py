@@ -13,9 +13,12 @@ from labkit.topology import Topology, gbit_to_bytes_per_s
 
 Bucketing = Callable[[list[int], int], list[list[int]]]
 BUCKET_CAP_BYTES = 2**20
-WAIT_SHARE_LIMIT = 0.6
-"""Buckets in backward's order must leave at most this share of the one-bucket wait (0.17-0.30 measured in the
-overlap experiment); buckets in forward order leave about all of it."""
+WAIT_SHARE_LIMIT = 0.8
+"""Buckets in backward's order must leave at most this share of the one-bucket wait; buckets in forward order
+leave about all of it. Measured as this check measures (the wait from the last gradient on any rank, the
+fastest of 4 steps), 1 MiB buckets in backward's order left 0.47-0.59 (0.37-0.62 from the fastest of 2, which
+failed the earlier limit of 0.6 once) and forward order 0.96-1.08: the 1 Gbit/s link, not backward, sets the
+pace, so the buckets still queued when backward ends are about half the gradient."""
 
 
 def all_reduce_time(prediction, *, gbit: float = 1.0, mib: int = 64, ranks: int = 2) -> Verdict | None:
@@ -57,8 +60,8 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
     link through :class:`labkit.ddp_overlap.HandBuckets`, which launches each bucket
     once its gradients exist and every earlier bucket has been launched, as DDP does;
     the wait after backward's last gradient is measured against one bucket. In order
-    of backward (last layer first) the wait was 0.17-0.30 of one bucket's in the overlap
-    experiment; in forward order nothing can start before backward ends (about 1).
+    of backward (last layer first) the wait was about half of one bucket's (:data:`WAIT_SHARE_LIMIT`);
+    in forward order nothing can start before backward ends (about 1).
     """
     from labkit.ddp_overlap import SIZES as OVERLAP_SIZES, hand_buckets_rank
     from labkit.profiles import profile
@@ -80,7 +83,7 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
         topology = Topology(nodes=ranks, inter_node_bytes_per_s=gbit_to_bytes_per_s(sizes_.rate_gbit))
         with fabric.Fabric(topology) as fab:
             timed = launch(hand_buckets_rank, ranks, fabric=fab, links=fab.links, buckets=buckets,
-                           hidden=sizes_.hidden, layers=sizes_.layers, batch=sizes_.batch, steps=2,
+                           hidden=sizes_.hidden, layers=sizes_.layers, batch=sizes_.batch, steps=4,
                            rate_gbit=sizes_.rate_gbit)[0]
         share = timed["yours"] / timed["one bucket"]
         print(f"  on {ranks} ranks at {sizes_.rate_gbit:g} Gbit/s: wait after the last gradient with one bucket "
