@@ -26,7 +26,7 @@ FP32_REFERENCE = "ZeRO-3 fp32"
 TIMED = ("ZeRO-3", "ZeRO++")
 UNSHAPED_GBIT = 40.0
 """A rate no step here comes near: the step time at it is the compute (and TCP's CPU) alone."""
-SLOW_LINK_BAND = (0.7, 1.15)
+SLOW_LINK_BAND = (0.7, 1.25)
 """Measured / model step time allowed for ZeRO-3 on the slowest link, micro-batch the smaller one.
 
 From repeated runs on a shared 2-core box: 0.75-1.04x in 3 runs at 0.1 Gbit/s (load
@@ -36,8 +36,10 @@ waiting on the link leave the cores to the others, so compute gets cheaper than 
 the unshaped link. At faster links compute noise dominates (0.5-1.4x, up to 3x in a
 load spike), so no band is held there. With the sizes that show the micro-batch effect
 (0.5M parameters, 0.025 Gbit/s slowest; :data:`labkit.zeropp_fabric.SIZES`): 0.83-1.16x
-in 15 runs at load 3-6.6, twice just above the band (1.16x, load 5.3-5.6), where the
-same bytes at the same rate took up to 1.25x as long from one step to the next.
+in 15 runs at load 3-6.6, where the same bytes at the same rate took 1.03-1.25 s from one step to the
+next (the model's link time about 1 s), and 0.98-1.21x in 3 runs at 0.0125 Gbit/s. The upper bound was 1.15
+until a CI rehearsal failed on 1.15x+ (two of the 15 runs had come to 1.16x): it now holds that step-to-step
+spread of the link, and a link shaped at half the rate (2x) still fails it.
 """
 
 
