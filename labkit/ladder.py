@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from labkit import accelerator as accel
-from labkit import loaders, objectstore, pagecache
+from labkit import arrow_conversion, loaders, objectstore, pagecache
 from labkit.dataset import Dataset
 from labkit.devices import loader_workers
 from labkit.meter import MeterSummary, StepMeter
@@ -41,9 +41,11 @@ class LadderSizes:
     remote_latency_ms: float
     remote_images: int
     fast_epochs: int
+    parquet_images: int = 512
+    """Images in the Parquet rungs' slice (:mod:`labkit.arrow_conversion`): a row-wise epoch costs about 6 ms each here."""
 
     def __post_init__(self) -> None:
-        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs"):
+        for name in ("num_images", "image_px", "batch_size", "remote_images", "fast_epochs", "parquet_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.workers < 0:
@@ -59,9 +61,11 @@ SIZES = {
     # accelerator_images_per_s (accelerator.model_width_for). Workers: one per core we may use.
     # remote_images: room for two batches for each of up to 15 workers (remote_model.remote_plan).
     "gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
-                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3),
+                       accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3,
+                       parquet_images=1024),
     "multi-gpu": LadderSizes(num_images=8000, image_px=32, batch_size=256, workers=loader_workers(),
-                             accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3),
+                             accelerator_images_per_s=8000, remote_latency_ms=10, remote_images=8000, fast_epochs=3,
+                             parquet_images=1024),
 }
 
 RUNG_COLOURS = {"in RAM": FIX, "transformed cache": FIX, "remote, no cache": WARN}
@@ -200,6 +204,8 @@ class Ladder:
     """GETs the object store's server logged, per rung."""
     disk_reads: dict[str, int | None] = field(default_factory=dict)
     """Bytes the training loop fetched from storage, per rung that reads a file it dropped from the page cache."""
+    stages: dict[str, arrow_conversion.ReaderLog] = field(default_factory=dict)
+    """Where each Parquet rung's loader time went (read, convert, resize, augment)."""
     remote_model: "RemoteModel | None" = None
     """What the remote rung should deliver, from one GET and one decode timed alone (set by :meth:`remote`)."""
 
@@ -279,6 +285,23 @@ class Ladder:
     def _store(self) -> objectstore.ObjectStore:
         """The dataset's folder served by a real HTTP server; its first-byte latency is EMULATED."""
         return objectstore.ObjectStore(self.dataset.root, first_byte_ms=self.sizes.remote_latency_ms)
+
+    def parquet(self, conversion: str) -> MeterSummary:
+        """The slice as Parquet on local disk (a raw cache: no requests), converted every epoch by ``conversion``.
+
+        The file is dropped from the page cache first, so the epoch reads it from
+        the disk. The reader runs in the training process, so its time per batch is
+        the accelerator's wait; :attr:`stages` splits it (:mod:`labkit.arrow_conversion`).
+        """
+        count = min(self.sizes.parquet_images, len(self.paths))
+        path = arrow_conversion.write_slice(self.paths[:count], self.labels[:count], row_group_size=self.sizes.batch_size,
+                                            target=data_dir() / "cache" / f"{self.dataset.name}-{count}-rows.parquet")
+        rung, log = f"Parquet, {conversion}", arrow_conversion.ReaderLog()
+        pagecache.drop(path)
+        batches = arrow_conversion.ParquetBatches(path, conversion=conversion, image_px=self.sizes.image_px, log=log)
+        summary = measure(batches, self.accelerator, device=self.device)
+        self.stages[rung] = log
+        return self._record(rung, summary)
 
     def transformed_cache(self) -> tuple[MeterSummary, loaders.TransformedCache]:
         """Decode once to a pixel cache on local disk, then train from the memory map.

@@ -65,6 +65,11 @@ TRIM_LAB1_STAND_IN = """
     from labkit import accelerator
     accelerator.split_cores = lambda: None
 """
+TRIM_LAB1_SMALL_PARQUET = """
+    import dataclasses
+    from labkit import ladder
+    ladder.SIZES = {name: dataclasses.replace(size, parquet_images=256) for name, size in ladder.SIZES.items()}
+"""
 TRIM_LAB1_ONE_DRAFT_ROUND = """
     from labkit import ladder
     _draft_comparison = ladder.Ladder.draft_comparison
@@ -145,6 +150,37 @@ SABOTAGES = [
         pagecache.drop = lambda path: True
     """, fails_at="cell-17b", says="each epoch reads the cache file from the disk",
              needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN),
+    Sabotage("01_input_pipeline", "the columnar Parquet reader converts row by row", """
+        from labkit import arrow_conversion
+        arrow_conversion.CONVERSIONS["columnar"] = arrow_conversion.rowwise
+    """, fails_at="parquet-assert", says="viewing the columns removes the per-row conversion",
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"),
+             trim=TRIM_LAB1_STAND_IN + TRIM_LAB1_SMALL_PARQUET),
+    Sabotage("01_input_pipeline", "the Parquet slice is stored already resized to the training resolution", """
+        from PIL import Image
+        from labkit import arrow_conversion
+        class _StoredSmall:
+            BILINEAR, fromarray = Image.BILINEAR, staticmethod(Image.fromarray)
+            @staticmethod
+            def open(path):
+                return Image.open(path).convert("RGB").resize((32, 32), Image.BILINEAR)
+        arrow_conversion.Image = _StoredSmall
+        _write = arrow_conversion.write_slice
+        arrow_conversion.write_slice = lambda paths, labels, target, **kwargs: _write(
+            paths, labels, str(target) + ".small", **kwargs)
+    """, fails_at="parquet-assert", says="the row-wise conversion still starves the accelerator",
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
+    Sabotage("01_input_pipeline", "the columnar Parquet reader builds Python rows as it reads", """
+        import numpy as np
+        from labkit import arrow_conversion
+        _columnar = arrow_conversion.columnar
+        def _columnar_with_rows(table, log, **kwargs):
+            with log.timing("read"):
+                [np.array(row["pixels"], dtype=np.uint8) for row in table.to_pylist()]
+            return _columnar(table, log, **kwargs)
+        arrow_conversion.CONVERSIONS["columnar"] = _columnar_with_rows
+    """, fails_at="parquet-assert", says="the columnar reader narrows the gap",
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
