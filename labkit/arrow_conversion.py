@@ -6,12 +6,14 @@ Spark job as Parquet: one row per sample, its decoded pixels in an array column,
 its label beside it. A local copy of that file is a raw cache (no request leaves
 the machine), and every epoch still pays for
 
-* **read**: Parquet pages to Arrow columns (decompress, and unpack the array
-  column's one level per value);
+* **read**: Parquet pages from the disk to Arrow columns (decompress, and unpack
+  the array column's one level per value: about 0.7 ms per 226-px image here
+  from the page cache, 0.8-3.1 ms from the disk);
 * **convert**: Arrow to the tensors the model takes. Row by row
   (:func:`rowwise`), each row becomes Python objects (``to_pylist``) and then a
-  NumPy array, one Python int per pixel; by columns (:func:`columnar`) the pixel
-  column's buffer is viewed as NumPy without a copy;
+  NumPy array, one Python int per pixel (3.7-4.4 ms an image in ten runs of Lab 1
+  on a 2-core box); by columns (:func:`columnar`) the pixel column's buffer is
+  viewed as NumPy without a copy (0.013-0.030 ms);
 * **resize** to the training resolution (per image in both: the rows differ in shape);
 * **augment**: a random flip, per sample row by row, on the batch by columns.
 
