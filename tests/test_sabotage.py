@@ -54,7 +54,8 @@ class Sabotage:
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
-# and no 5 s wait to detect a hang (55-65 s -> 20 s). Each trim alone leaves its failing cell passing (checked with
+# and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 5's crossover sabotage, which syncs every micro-batch, runs
+# windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Each trim alone leaves its failing cell passing (checked with
 # `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
     import dataclasses
@@ -97,6 +98,12 @@ TRIM_LAB5_RATES = """
     _experiment = gradsync.run_experiment
     gradsync.run_experiment = lambda *args, **kwargs: _experiment(
         *args, **{{**kwargs, "rates_gbit": gradsync.RATES_GBIT, "deepspeed_stages": ()}})
+"""
+TRIM_LAB5_TWO_WINDOWS = """
+    import dataclasses
+    from labkit import gradsync_crossover
+    gradsync_crossover.SIZES = {name: dataclasses.replace(size, windows=(1, 64))
+                                for name, size in gradsync_crossover.SIZES.items()}
 """
 TRIM_LAB8_ASSUMED_LINKS = """
     from labkit import fabric
@@ -365,7 +372,8 @@ SABOTAGES = [
     Sabotage("05_gradient_sync", "the crossover's delayed sync syncs every micro-batch", """
         from labkit import gradsync, gradsync_crossover
         gradsync_crossover.delayed_sync = gradsync.sync_every_micro_step
-    """, fails_at="crossover-asserts-05", says="of the ceiling", needs=('861d0932', 'crossover-run-05')),
+    """, fails_at="crossover-asserts-05", says="of the ceiling", needs=('861d0932', 'crossover-run-05'),
+             trim=TRIM_LAB5_TWO_WINDOWS),
     Sabotage("05_gradient_sync", "DDP ignores its bucket size and all-reduces one bucket when backward ends", """
         from labkit import ddp_overlap
         ddp_overlap.bucket_cap_mb = lambda variant: ddp_overlap.ONE_BUCKET_BYTES / 2**20
