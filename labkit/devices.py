@@ -237,9 +237,16 @@ class PeakRss:
     Read from the kernel's own high-water mark (``VmHWM``, reset by writing 5 to
     ``/proc/self/clear_refs``): exact, no sampling thread that could miss a spike.
     Linux only; the host-side counterpart of ``torch.cuda.max_memory_allocated``.
+
+    Resident memory grows only when the allocator asks the kernel for pages, so
+    memory that earlier code freed but ``malloc`` kept would be reused inside the
+    block without raising the mark: after a test that built and dropped Python
+    lists of a few MB, 18.9 MB of decoded images read as 12.5 MB. So the block
+    starts by handing such memory back (``malloc_trim``, glibc; elsewhere nothing).
     """
 
     def __enter__(self) -> PeakRss:
+        _return_freed_heap()
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
         self.start_bytes = _status_bytes("VmRSS")
@@ -247,6 +254,17 @@ class PeakRss:
 
     def __exit__(self, *exc: object) -> None:
         self.added_bytes = max(0, _status_bytes("VmHWM") - self.start_bytes)
+
+
+def _return_freed_heap() -> None:
+    """Ask glibc to give the heap's free pages back to the kernel (no-op where there is no ``malloc_trim``)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status_bytes(field_name: str) -> int:
