@@ -29,7 +29,6 @@ removes all four, which is why it, not a faster reader, is Mittal's fix.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from labkit.atomic import atomic_file
-from labkit.loaders import Batch, flip_batch, flip_decision, shuffled_order
+from labkit.loaders import Batch, BatchDigest, flip_batch, flip_decision, shuffled_order
 from labkit.plots import PALETTE, figure
 
 STAGES = ("read", "convert", "resize", "augment")
@@ -60,12 +59,11 @@ class ReaderLog:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     images: int = 0
-    digests: list[str] = field(default_factory=list)
+    digests: list[BatchDigest] = field(default_factory=list)
 
     def delivered(self, batch: Batch) -> None:
-        images, labels = batch
-        self.images += len(labels)
-        self.digests.append(hashlib.sha1(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest())
+        self.images += len(batch[1])
+        self.digests.append(BatchDigest.of(batch))
 
     @contextmanager
     def timing(self, stage: str) -> Iterator[None]:

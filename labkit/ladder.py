@@ -10,7 +10,6 @@ one-core machine the sleeping :class:`~labkit.accelerator.StandInAccelerator`.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -427,24 +426,15 @@ class Ladder:
         return fig
 
 
-@dataclass(frozen=True)
-class BatchDigest:
-    """What a training step receives, in brief: the labels and a hash of the pixels (flips included)."""
-
-    labels: tuple[int, ...]
-    pixels_sha1: str
-
-
 def deterministic_batches(paths: list[str], labels: list[int], *, batch_size: int, workers: int,
-                          image_px: int = 32) -> list[BatchDigest]:
+                          image_px: int = 32) -> list[loaders.BatchDigest]:
     """Every batch of one epoch of labkit's file loader (seeded sampler, in-order workers), digested.
 
     Comparing labels alone would miss the augmentation: a flip decided by whichever
     worker decoded the image changes the pixels, not the labels.
     """
     loader = loaders.file_loader(paths, labels, batch_size=batch_size, num_workers=workers, image_px=image_px)
-    return [BatchDigest(tuple(batch_labels.tolist()), hashlib.sha1(images.numpy().tobytes()).hexdigest())
-            for images, batch_labels in loader]
+    return [loaders.BatchDigest.of(batch) for batch in loader]
 
 
 def cache_cost(cache: loaders.TransformedCache, dataset_bytes: int) -> dict[str, float]:

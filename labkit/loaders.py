@@ -23,6 +23,7 @@ order, and the random flip of a sample depends only on (seed, epoch, index).
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import queue
 import threading
@@ -41,6 +42,19 @@ from labkit.atomic import atomic_file
 from labkit.devices import cpu_ms_per_item
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BatchDigest:
+    """What a training step receives, in brief: the labels and a hash of the pixels (flips included)."""
+
+    labels: tuple[int, ...]
+    pixels_sha1: str
+
+    @classmethod
+    def of(cls, batch: Batch) -> "BatchDigest":
+        images, labels = batch
+        return cls(tuple(labels.tolist()), hashlib.sha1(images.contiguous().numpy().tobytes()).hexdigest())
 
 
 def decode(data: bytes, image_px: int, *, draft: bool = False) -> np.ndarray:
