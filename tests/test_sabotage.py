@@ -188,6 +188,30 @@ SABOTAGES = [
         arrow_conversion.CONVERSIONS["columnar"] = _columnar_with_rows
     """, fails_at="parquet-assert", says="the columnar reader narrows the gap",
              needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
+    Sabotage("01_input_pipeline", "the columnar Parquet reader keeps the tensors it converted in an earlier epoch", """
+        from labkit import arrow_conversion, ladder
+        _iter, _kept = arrow_conversion.ParquetBatches.__iter__, {}
+        def _iter_keeping(self):
+            key = (str(self.path), self.convert.__name__, self.epoch)
+            if key in _kept:
+                for batch in _kept[key]:
+                    self.log.delivered(batch)
+                    yield batch
+                return
+            _kept[key] = []
+            for batch in _iter(self):
+                _kept[key].append(batch)
+                yield batch
+        arrow_conversion.ParquetBatches.__iter__ = _iter_keeping
+        _parquet = ladder.Ladder.parquet
+        def _columnar_twice(self, conversion):
+            if conversion == "columnar":
+                _parquet(self, conversion)   # an earlier epoch fills what the reader keeps
+            return _parquet(self, conversion)
+        ladder.Ladder.parquet = _columnar_twice
+    """, fails_at="cell-17b", says="the transformed cache removes what the columnar reader still repeats",
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "parquet-run", "cell-17"),
+             trim=TRIM_LAB1_SMALL_PARQUET),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
