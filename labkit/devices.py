@@ -259,10 +259,9 @@ class PeakRss:
 def _return_freed_heap() -> None:
     """Ask glibc to give the heap's free pages back to the kernel (no-op where there is no ``malloc_trim``)."""
     import ctypes
-    import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)   # the process's own symbols: libc's, without a library search
     except (OSError, AttributeError):
         pass
 
