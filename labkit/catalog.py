@@ -258,15 +258,17 @@ def decode_peaks(paths: Iterable[str], *, batch: int = 32) -> DecodePeaks:
     The peaks are the kernel's high-water mark of this process (:class:`labkit.devices.PeakRss`),
     so they count what the arrays really took, allocator and all.
     """
-    from labkit.devices import PeakRss
+    from labkit.devices import PeakRss, return_freed_heap
 
     paths = list(paths)
     if not paths or batch < 1:
         raise ValueError(f"paths must name at least one image and batch must be >= 1, got {len(paths)} and {batch}")
+    return_freed_heap()   # memory earlier code freed would otherwise be reused without raising the mark
     with PeakRss() as materialised:
         kept = [_decode_rgb(path) for path in paths]
     decoded = sum(array.nbytes for array in kept)
     del kept
+    return_freed_heap()
     with PeakRss() as streamed:
         for start in range(0, len(paths), batch):
             arrays = [_decode_rgb(path) for path in paths[start:start + batch]]

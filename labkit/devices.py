@@ -239,14 +239,13 @@ class PeakRss:
     Linux only; the host-side counterpart of ``torch.cuda.max_memory_allocated``.
 
     Resident memory grows only when the allocator asks the kernel for pages, so
-    memory that earlier code freed but ``malloc`` kept would be reused inside the
-    block without raising the mark: after a test that built and dropped Python
-    lists of a few MB, 18.9 MB of decoded images read as 12.5 MB. So the block
-    starts by handing such memory back (``malloc_trim``, glibc; elsewhere nothing).
+    memory that earlier code freed but ``malloc`` kept is reused inside the block
+    without raising the mark. A caller that must count every byte a block takes
+    calls :func:`return_freed_heap` first (after a test that built and dropped
+    Python lists of a few MB, 18.9 MB of decoded images read as 12.5 MB without it).
     """
 
     def __enter__(self) -> PeakRss:
-        _return_freed_heap()
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
         self.start_bytes = _status_bytes("VmRSS")
@@ -256,7 +255,7 @@ class PeakRss:
         self.added_bytes = max(0, _status_bytes("VmHWM") - self.start_bytes)
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """Ask glibc to give the heap's free pages back to the kernel (no-op where there is no ``malloc_trim``)."""
     import ctypes
 

@@ -148,14 +148,14 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     GPU ranks read the caching allocator's peak. CPU ranks read the kernel's
     resident-set high-water mark (:class:`labkit.devices.PeakRss`); the caller
     must first give every allocation of :data:`OWN_MAPPING_BYTES` or more its own
-    mapping (returned to the kernel when freed), and ``PeakRss`` hands back what
-    earlier steps freed (``malloc_trim``), so the mark rises by what this step
-    holds at once. Spread seen here: the two ranks of one stage differed by up to 1 MB
+    mapping (returned to the kernel when freed), and :func:`~labkit.devices.return_freed_heap`
+    hands back what earlier steps freed (``malloc_trim``), so the mark rises by what
+    this step holds at once. Spread seen here: the two ranks of one stage differed by up to 1 MB
     (4.3-6.7 MB added, 24 x 192 x 192 layers, bf16, load 3-4).
     """
     import torch
 
-    from labkit.devices import PeakRss
+    from labkit.devices import PeakRss, return_freed_heap
 
     run_step()
     if device.startswith("cuda"):
@@ -165,6 +165,7 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
         run_step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+    return_freed_heap()
     with PeakRss() as peak:
         run_step()
     return peak.added_bytes
