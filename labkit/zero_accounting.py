@@ -141,34 +141,52 @@ def elementwise_max(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {key: max(a[key], b[key]) for key in a}
 
 
+PEAK_STEPS = 3
+"""Steps whose peaks are measured; the median is kept (see step_peak_added_bytes)."""
+
+
 def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     """Peak memory one step adds above what the rank holds between steps: gathered
-    parameters, buckets, temporaries and activations, all at once. One warm-up step first.
+    parameters, buckets, temporaries and activations, all at once. One warm-up step,
+    then the median of :data:`PEAK_STEPS` measured steps.
 
     GPU ranks read the caching allocator's peak. CPU ranks read the kernel's
-    resident-set high-water mark (:class:`labkit.devices.PeakRss`); the caller
-    must first give every allocation of :data:`OWN_MAPPING_BYTES` or more its own
-    mapping (returned to the kernel when freed), and :func:`~labkit.devices.return_freed_heap`
-    hands back what earlier steps freed (``malloc_trim``), so the mark rises by what
-    this step holds at once. Spread seen here: the two ranks of one stage differed by up to 1 MB
-    (4.3-6.7 MB added, 24 x 192 x 192 layers, bf16, load 3-4).
+    resident-set high-water mark (:class:`labkit.devices.PeakRss`), which also counts
+    what the communication library allocates outside torch (gloo's own buffers: at
+    stage 3 the mark rose 1-4 MB more than the tensors torch's profiler saw allocated
+    on the training thread); the caller must first give every allocation of
+    :data:`OWN_MAPPING_BYTES` or more its own mapping (returned to the kernel when
+    freed), and :func:`~labkit.devices.return_freed_heap` hands back what earlier steps
+    freed (``malloc_trim``), so the mark rises by what this step holds at once.
+
+    The peak is a real spread, not only noise: whether a buffer freed by gloo's thread
+    is gone before the next one is allocated depends on timing. Seen here (24 x 192 x 192
+    layers, bf16, batch 16): one rank's stage-0 peak alternated between 5.2 and 6.2 MB
+    from step to step, and stage 3's moved 3.9-5.8 MB within a run; the median of three
+    steps keeps one such step from deciding.
     """
+    import statistics
+
     import torch
 
     from labkit.devices import PeakRss, return_freed_heap
 
     run_step()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        run_step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    return_freed_heap()
-    with PeakRss() as peak:
-        run_step()
-    return peak.added_bytes
+    found = []
+    for _ in range(PEAK_STEPS):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            run_step()
+            torch.cuda.synchronize()
+            found.append(torch.cuda.max_memory_allocated() - before)
+            continue
+        return_freed_heap()
+        with PeakRss() as peak:
+            run_step()
+        found.append(peak.added_bytes)
+    return int(statistics.median(found))
 
 
 def weigh_one_step(engine, run_step: Callable[[], None]) -> tuple[dict[str, int], dict[str, int]]:
