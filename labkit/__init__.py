@@ -12,6 +12,19 @@ import os
 # (loopback and its own namespaces). Set here, before any labkit module imports daft.
 os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
+
+def _deepspeed_on_the_cpu_where_there_is_no_gpu() -> None:
+    """Name the CPU accelerator for DeepSpeed where torch sees no GPU: it would pick the CPU anyway, but
+    first prints a warning ("...we were unable to detect it") into the learner's notebook output."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_deepspeed_on_the_cpu_where_there_is_no_gpu()
+
 from labkit.profiles import Profile, profile  # noqa: E402
 
 __all__ = ["Profile", "profile"]
