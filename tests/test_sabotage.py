@@ -48,7 +48,7 @@ class Sabotage:
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
 # its step times at three link rates), so the sabotaged run skips the rest: 40 s -> 14 s for Lab 6's
 # launch; leaving out Lab 5's DeepSpeed rows saves 2.6 s a run, and Lab 4's byte counts need one step,
-# not three; Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
+# not three, and no links where the failing cell reads no traffic (about 3 s a run); Lab 1's rungs that read the store wait 2 ms per GET instead of 10 when the failing cell
 # reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
 # again). The worker sweep keeps its five rounds even when sabotaged: with one, the two
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
@@ -91,6 +91,10 @@ TRIM_LAB4_NO_NVME = """
 """
 TRIM_LAB4_BASE_ONLY = TRIM_LAB4_NO_NVME + """
     zero_probe.CPU_OFFLOAD_CONFIGS = ()
+"""
+TRIM_LAB4_NO_LINKS = TRIM_LAB4_BASE_ONLY + """
+    from labkit import fabric
+    fabric.probe = lambda: fabric.Capability("emulated", "links left out: the sabotage reads no bytes on links")
 """
 TRIM_LAB5_RATES = """
     from labkit import gradsync
@@ -348,7 +352,7 @@ SABOTAGES = [
             return built
         zero_probe.deepspeed_config = _stage3_as_stage0
     """, fails_at="a20840b0", says="relative_error",
-             needs=('40b7a698', '712e7ac5'), trim=TRIM_LAB4_BASE_ONLY),
+             needs=('40b7a698', '712e7ac5'), trim=TRIM_LAB4_NO_LINKS),
     Sabotage("04_zero_memory", "checkpointing that keeps every activation", """
         from labkit import recompute
         recompute.checkpointed_forward = recompute.keep_all_forward
@@ -380,7 +384,7 @@ SABOTAGES = [
             return built
         zero_probe.deepspeed_config = _stage3_as_stage0
     """, fails_at="whole-asserts", says="stage 3's step peak is not a larger part",
-             needs=('40b7a698', '712e7ac5', '0d12ccb3', 'whole-table'), trim=TRIM_LAB4_BASE_ONLY),
+             needs=('40b7a698', '712e7ac5', '0d12ccb3', 'whole-table'), trim=TRIM_LAB4_NO_LINKS),
     Sabotage("05_gradient_sync", "delayed sync that syncs every micro-step", """
         from labkit import gradsync
         gradsync.STEP_FNS["delayed_sync"] = gradsync.sync_every_micro_step
