@@ -151,10 +151,10 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     then the median of :data:`PEAK_STEPS` measured steps.
 
     GPU ranks read the caching allocator's peak. CPU ranks read the kernel's
-    resident-set high-water mark (:class:`labkit.devices.PeakRss`), which also counts
-    what the communication library allocates outside torch (gloo's own buffers: at
-    stage 3 the mark rose 1-4 MB more than the tensors torch's profiler saw allocated
-    on the training thread); the caller must first give every allocation of
+    resident-set high-water mark (:class:`labkit.devices.PeakRss`), which counts every
+    thread's memory: at stage 3 (batch 16) the mark rose 1-4 MB more than the tensors
+    torch's profiler saw allocated on the training thread, which is all it follows
+    (gloo works on threads of its own); the caller must first give every allocation of
     :data:`OWN_MAPPING_BYTES` or more its own mapping (returned to the kernel when
     freed), and :func:`~labkit.devices.return_freed_heap` hands back what earlier steps
     freed (``malloc_trim``), so the mark rises by what this step holds at once.
