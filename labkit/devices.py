@@ -265,6 +265,28 @@ def return_freed_heap() -> None:
         pass
 
 
+def peak_added_bytes(run: Callable[[], object], device: torch.device | str) -> int:
+    """Peak memory ``run()`` adds above what was held when it started, on ``device``.
+
+    A GPU reads the caching allocator's peak (``max_memory_allocated``). The CPU has
+    no allocator counter: it reads the kernel's resident-set mark (:class:`PeakRss`)
+    after :func:`return_freed_heap`, so memory that earlier work freed is not reused
+    unseen. Callers run a warm-up first and, on the CPU, give large allocations their
+    own mappings (glibc's mmap threshold), so that a freed tensor leaves the mark.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return_freed_heap()
+    with PeakRss() as peak:
+        run()
+    return peak.added_bytes
+
+
 def _status_bytes(field_name: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from labkit.devices import PeakRss
+from labkit.devices import peak_added_bytes
 from labkit.profiles import require_at_least
 
 
@@ -162,16 +162,7 @@ def _peak_bytes_here(kind: str, sizes: FusedLossSizes, device: str) -> int:
     h, w, t = make_inputs(sizes.tokens, sizes.hidden, sizes.vocab, device=device)
     loss_and_grads(kind, h, w, t, sizes.chunk_rows)
     h.grad = w.grad = None
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        loss_and_grads(kind, h, w, t, sizes.chunk_rows)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with PeakRss() as peak:
-        loss_and_grads(kind, h, w, t, sizes.chunk_rows)
-    return peak.added_bytes
+    return peak_added_bytes(lambda: loss_and_grads(kind, h, w, t, sizes.chunk_rows), device)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ measured, and both have a model beside them:
 
 On a GPU the peak comes from the caching allocator (``max_memory_allocated``);
 on the CPU from the kernel's resident-set high-water mark in a fresh process
-whose large allocations are each their own mapping (:class:`labkit.devices.PeakRss`),
+whose large allocations are each their own mapping (:func:`labkit.devices.peak_added_bytes`),
 as :mod:`labkit.fused_loss` measures its peak.
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit.devices import PeakRss
+from labkit.devices import peak_added_bytes
 from labkit.profiles import require_at_least
 
 FP32_BYTES = 4
@@ -152,16 +152,7 @@ def _peak_bytes_here(model: nn.Sequential, x: torch.Tensor, kind: str) -> int:
     train_step(model, x, kind)
     for p in model.parameters():
         p.grad = None
-    if x.device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        train_step(model, x, kind)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with PeakRss() as peak:
-        train_step(model, x, kind)
-    return peak.added_bytes
+    return peak_added_bytes(lambda: train_step(model, x, kind), x.device)
 
 
 def _timed_ms(fn, device: torch.device) -> float:

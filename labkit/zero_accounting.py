@@ -150,14 +150,13 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     parameters, buckets, temporaries and activations, all at once. One warm-up step,
     then the median of :data:`PEAK_STEPS` measured steps.
 
-    GPU ranks read the caching allocator's peak. CPU ranks read the kernel's
-    resident-set high-water mark (:class:`labkit.devices.PeakRss`), which counts every
+    Measured by :func:`labkit.devices.peak_added_bytes`: on GPU ranks the caching
+    allocator's peak; on CPU ranks the kernel's resident-set high-water mark, which counts every
     thread's memory: at stage 3 (batch 16) the mark rose 1-4 MB more than the tensors
     torch's profiler saw allocated on the training thread, which is all it follows
     (gloo works on threads of its own); the caller must first give every allocation of
     :data:`OWN_MAPPING_BYTES` or more its own mapping (returned to the kernel when
-    freed), and :func:`~labkit.devices.return_freed_heap` hands back what earlier steps
-    freed (``malloc_trim``), so the mark rises by what this step holds at once.
+    freed), so the mark rises by what this step holds at once.
 
     The peak is a real spread, not only noise: whether a buffer freed by gloo's thread
     is gone before the next one is allocated depends on timing. Seen here (24 x 192 x 192
@@ -167,26 +166,10 @@ def step_peak_added_bytes(run_step: Callable[[], None], device: str) -> int:
     """
     import statistics
 
-    import torch
-
-    from labkit.devices import PeakRss, return_freed_heap
+    from labkit.devices import peak_added_bytes
 
     run_step()
-    found = []
-    for _ in range(PEAK_STEPS):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            run_step()
-            torch.cuda.synchronize()
-            found.append(torch.cuda.max_memory_allocated() - before)
-            continue
-        return_freed_heap()
-        with PeakRss() as peak:
-            run_step()
-        found.append(peak.added_bytes)
-    return int(statistics.median(found))
+    return int(statistics.median(peak_added_bytes(run_step, device) for _ in range(PEAK_STEPS)))
 
 
 def weigh_one_step(engine, run_step: Callable[[], None]) -> tuple[dict[str, int], dict[str, int]]:
