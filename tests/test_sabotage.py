@@ -24,6 +24,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from labkit.course import notebooks_dir
+from tests.forked_kernels import ForkedKernelManager, close_zygote
 
 REPO = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 600
@@ -56,7 +57,7 @@ class Sabotage:
 # (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
 # and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Each trim alone leaves its failing cell passing (checked with
-# `python tests/test_sabotage.py --trims-only`), so the failure comes from the sabotage, not the trim.
+# `python -m tests.test_sabotage --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
     import dataclasses
     from labkit import ladder
@@ -584,11 +585,15 @@ def chosen_cells(notebook: str, first_cell: str, last_cell_id: str,
 
 
 def execute(nb: nbformat.NotebookNode, env: dict[str, str]) -> None:
-    """Run ``nb`` in a fresh kernel with ``env`` added, exercises unanswered; raises CellExecutionError."""
+    """Run ``nb`` in a fresh kernel with ``env`` added, exercises unanswered; raises CellExecutionError.
+
+    The kernel is forked from a process that has imported torch already (see tests/forked_kernels.py).
+    """
     saved = dict(os.environ)
     os.environ.update({"LABKIT_SOLUTIONS": "0", **env})   # exercise cells only print what they wait for
     try:
         NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
+                       kernel_manager_class=ForkedKernelManager,
                        resources={"metadata": {"path": str(notebooks_dir())}}).execute()
     finally:
         os.environ.clear()
@@ -609,6 +614,12 @@ def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, 
                       if any(out.get("output_type") == "error" for out in cell.get("outputs", [])))
         return failed.get("id"), str(exc)
     return None, ""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_zygote_stopped_at_the_end():
+    yield
+    close_zygote()
 
 
 @pytest.mark.slow
@@ -663,6 +674,9 @@ if __name__ == "__main__":
     import tempfile
 
     if sys.argv[1:2] != ["--trims-only"]:
-        sys.exit("usage: python tests/test_sabotage.py --trims-only [NOTEBOOK_PREFIX ...]")
+        sys.exit("usage: python -m tests.test_sabotage --trims-only [NOTEBOOK_PREFIX ...]")
     with tempfile.TemporaryDirectory() as folder:
-        check_trims_alone(Path(folder), tuple(sys.argv[2:]))
+        try:
+            check_trims_alone(Path(folder), tuple(sys.argv[2:]))
+        finally:
+            close_zygote()
