@@ -10,8 +10,10 @@ What a kernel sees is unchanged where it matters to a lab: the zygote never impo
 (the sabotage's ``sitecustomize`` hook still runs before labkit's first import, see
 ``test_sabotage._AFTER_LABKIT``), the child takes the environment and folder the kernel
 manager asked for, and everything the lab starts (ranks, loaders' workers, servers) is started
-by the kernel as before. Only modules whose import reads nothing from that environment are
-preloaded; matplotlib, whose backend follows ``MPLBACKEND``, is not.
+by the kernel as before. The zygote starts from pytest's environment, and the harness adds only
+PYTHONPATH and LABKIT_SOLUTIONS, which the preloaded modules do not read at import; ipykernel reads
+its parent's pid (JPY_PARENT_PID) at import, so the kernel gets it on its command line instead.
+matplotlib, whose backend follows ``MPLBACKEND`` and the kernel, is not preloaded.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def _become_kernel(request: dict[str, Any]) -> None:
     sys.path.insert(0, request["cwd"])   # as `python -m ipykernel_launcher` started there would have it
     from ipykernel.kernelapp import IPKernelApp
 
-    sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
+    # ipykernel read JPY_PARENT_PID when the zygote imported it: name the parent on the command line
+    sys.argv = ["ipykernel_launcher", "-f", request["connection_file"],
+                f"--IPKernelApp.parent_handle={request['env']['JPY_PARENT_PID']}"]
     IPKernelApp.launch_instance(argv=sys.argv[1:])
 
 
@@ -187,7 +191,9 @@ def _alive(pid: int) -> bool:
 class ForkedProvisioner(LocalProvisioner):
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         connection_file = cmd[cmd.index("-f") + 1]
-        pid = zygote().fork({"connection_file": connection_file, "env": kwargs.get("env", dict(os.environ)),
+        # jupyter_client's launcher names the kernel's parent the same way (ipykernel then prints no console note)
+        env = {**kwargs.get("env", os.environ), "JPY_PARENT_PID": str(os.getpid())}
+        pid = zygote().fork({"connection_file": connection_file, "env": env,
                              "cwd": str(kwargs.get("cwd") or os.getcwd())})
         self.process = _ForkedProcess(pid)
         self.pid = self.pgid = pid
