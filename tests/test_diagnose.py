@@ -56,6 +56,41 @@ def test_on_a_gpu_kernels_are_compute_copies_are_host_to_device_and_nccl_is_comm
                                     "communication": 0.20, "checkpoint": 0.0, "other": 0.10})
 
 
+RECORDED_GPU_TRACE = Path(__file__).parent / "data" / "hta" / "sampled_rank-0.json.gz"
+
+
+def test_a_trace_a_gpu_recorded_is_split_as_the_device_spent_each_microsecond():
+    """HTA's recorded rank of a 128-GPU NCCL job (tests/data/hta/README.md), checked against a raster of its kernels."""
+    import gzip
+
+    import numpy as np
+
+    trace = json.loads(gzip.decompress(RECORDED_GPU_TRACE.read_bytes()))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    rank = sa.attribute_rank(trace, 0)
+    recorded = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    assert [(s.step, s.step_ms) for s in rank.steps] == [(int(e["name"].split("#")[1]), e["dur"] / 1e3)
+                                                        for e in recorded] == [(551, 607.312), (552, 622.928)]
+    for step, span in zip(rank.steps, recorded):
+        start, end = int(span["ts"]), int(span["ts"] + span["dur"])   # whole microseconds in this trace
+
+        def busy(keep) -> np.ndarray:   # one flag per microsecond of the step
+            flags = np.zeros(end - start, dtype=bool)
+            for e in events:
+                if keep(e) and e["ts"] < end and e["ts"] + e["dur"] > start:
+                    flags[int(max(e["ts"], start)) - start:int(min(e["ts"] + e["dur"], end)) - start] = True
+            return flags
+
+        compute = busy(lambda e: e.get("cat") == "kernel" and not e["name"].startswith("nccl"))
+        copies = busy(lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]) & ~compute
+        nccl = busy(lambda e: e.get("cat") == "kernel" and e["name"].startswith("nccl")) & ~compute & ~copies
+        assert step.shares == pytest.approx({"data": 0.0, "host_to_device": copies.mean(), "compute": compute.mean(),
+                                             "communication": nccl.mean(), "checkpoint": 0.0,
+                                             "other": 1 - compute.mean() - copies.mean() - nccl.mean()}, abs=1e-6)
+        assert step.shares["communication"] > 0.2 and step.shares["host_to_device"] > 0
+    assert rank.memory_bound_share_of_compute is None, "kernels carry no FLOPs: not split by the roofline"
+
+
 def test_an_op_below_the_ridge_is_memory_bound_and_a_wrapper_without_flops_is_not_counted_over_its_matmul():
     shapes = {"Input Dims": [[1024, 1024], [1024, 1024]], "Input type": ["float", "float"]}
     matmul = _x("aten::mm", 10, 50, flops=2 * 1024**3, **shapes)   # 2 GFLOP over 8 MiB: 256 FLOP/byte
