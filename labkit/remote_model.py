@@ -11,12 +11,14 @@ requests is what the comparison tests.
 
 Lab 1 asserts the measured rate within 0.75-1.25x of the model. The band comes
 from the 2-core machine the course is checked on: 21 runs of the rung gave
-0.90-0.99x, and workers forced to take turns on the store (one GET at a time
-across all of them) gave 0.51x, well outside it.
+0.90-0.99x (6 more, since the probe keeps medians, 0.93-1.01x), and workers
+forced to take turns on the store (one GET at a time across all of them) gave
+0.51x, well outside it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -85,18 +87,24 @@ def probe_remote(fetch: objectstore.HttpFetch, *, workers: int, image_px: int, l
 
     ``fetch`` reaches the objects the rung will read; ``count`` of them are timed
     (default :data:`PROBE_IMAGES`, or all if fewer). The connection is opened
-    before the clock starts: a worker opens it once and reuses it.
+    before the clock starts: a worker opens it once and reuses it. Each term is
+    the median over the images, which one stall of the machine during the 0.4 s
+    probe does not move: with means, a suite run once put the rung at 1.26x the
+    model, which takes about 100 ms of stall in the probe (12 ms an image
+    otherwise). In six quiet probes here mean and median GET + decode were within
+    0.1 ms of each other.
     """
     count = min(PROBE_IMAGES, len(fetch)) if count is None else count
     if count < 1 or count > len(fetch):
         raise ValueError(f"count must be in [1, {len(fetch)}] (the objects fetch can reach), got {count}")
     fetch(0)
-    get_s = decode_s = 0.0
+    get_s, decode_s = [], []
     for index in range(count):
         start = time.perf_counter()
         data = fetch(index)
         fetched = time.perf_counter()
         loaders.decode(data, image_px)
-        get_s, decode_s = get_s + fetched - start, decode_s + time.perf_counter() - fetched
-    return RemoteModel(workers=workers, images=len(fetch), latency_ms=latency_ms, get_ms=get_s * 1e3 / count,
-                       decode_ms=decode_s * 1e3 / count)
+        get_s.append(fetched - start)
+        decode_s.append(time.perf_counter() - fetched)
+    return RemoteModel(workers=workers, images=len(fetch), latency_ms=latency_ms,
+                       get_ms=statistics.median(get_s) * 1e3, decode_ms=statistics.median(decode_s) * 1e3)

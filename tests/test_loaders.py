@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,6 +254,23 @@ def test_probe_remote_times_a_get_and_a_decode(small_dataset):
         probe_remote(fetch, workers=3, image_px=32, latency_ms=5)
         assert store.requests("GET") == 18, "by default it probes every object when there are fewer than PROBE_IMAGES"
     assert model.get_ms >= 5 and model.decode_ms > 0 and model.workers == 3
+
+
+def test_one_stall_during_the_probe_does_not_move_the_model(small_dataset):
+    jpeg = Path(small_dataset.paths_and_labels()[0][0]).read_bytes()
+
+    class StallsOnce:
+        """A store answering in 2 ms, whose machine stalls 100 ms once, on the sixth object."""
+
+        def __len__(self):
+            return 32
+
+        def __call__(self, index):
+            time.sleep(0.1 if index == 5 else 0.002)
+            return jpeg
+
+    model = probe_remote(StallsOnce(), workers=2, image_px=32, latency_ms=2)
+    assert 2 <= model.get_ms < 4, f"GET {model.get_ms:.1f} ms: the stall would add about 3 ms to a mean of 32"
 
 
 def test_compute_share_is_the_accelerators_part_of_an_images_time_without_workers():
