@@ -40,7 +40,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(sig: int) -> None:
-    """Ask the kernel to send ``sig`` when this process's parent exits, so nothing outlives pytest."""
+    """Ask Linux to send this process ``sig`` when its parent exits (prctl), so nothing outlives pytest."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
@@ -196,13 +196,17 @@ class ForkedProvisioner(LocalProvisioner):
         pid = zygote().fork({"connection_file": connection_file, "env": env,
                              "cwd": str(kwargs.get("cwd") or os.getcwd())})
         self.process = _ForkedProcess(pid)
-        self.pid = self.pgid = pid
+        self.pid = self.pgid = pid   # the kernel leads its own session, as LocalProvisioner's kernels do
         self.cwd = kwargs.get("cwd", os.getcwd())
         return self.connection_info
 
 
 class ForkedKernelManager(AsyncKernelManager):
-    """A kernel manager whose kernels are forks of the zygote (pass it to NotebookClient)."""
+    """A kernel manager whose kernels are forks of the zygote (pass it to NotebookClient).
+
+    jupyter_client picks a provisioner from the kernel spec only when none is set yet, so setting
+    ours first is the one hook needed; everything else (ports, connection file, shutdown) is its own.
+    """
 
     async def _async_pre_start_kernel(self, **kw: Any) -> Any:
         if self.provisioner is None:
