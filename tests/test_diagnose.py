@@ -1,11 +1,13 @@
 """`labkit diagnose`: a step split into the course's bottlenecks, each instant counted once; bad input named."""
 
+import gzip
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -61,10 +63,6 @@ RECORDED_GPU_TRACE = Path(__file__).parent / "data" / "hta" / "sampled_rank-0.js
 
 def test_a_trace_a_gpu_recorded_is_split_as_the_device_spent_each_microsecond():
     """HTA's recorded rank of a 128-GPU NCCL job (tests/data/hta/README.md), checked against a raster of its kernels."""
-    import gzip
-
-    import numpy as np
-
     trace = json.loads(gzip.decompress(RECORDED_GPU_TRACE.read_bytes()))
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     rank = sa.attribute_rank(trace, 0)
