@@ -10,9 +10,8 @@ one, fails with an ``AssertionError`` whose text names the invariant. The unsabo
 pass under nbval in the same suite, so each pair shows an assert that holds and can fail.
 
 Sabotages run two at a time (tests/two_at_a_time.py): never two of one notebook, and those whose
-failing cell reads Lab 1's busy fraction with nothing beside them. On the 2-core box the module
-took 305 s one at a time, 237-261 s so (three runs), and 277 s beside a process that kept 30% of a
-core busy.
+failing cell reads Lab 1's busy fraction with nothing beside them. The module took 305 s one at a
+time and 231-261 s so (two runs on the 2-core box).
 """
 
 from __future__ import annotations
