@@ -8,15 +8,10 @@ the same code to a ``sitecustomize.py`` on ``PYTHONPATH`` so that every process 
 Only the cells up to the expected failure run. The test passes when that cell, and no earlier
 one, fails with an ``AssertionError`` whose text names the invariant. The unsabotaged notebooks
 pass under nbval in the same suite, so each pair shows an assert that holds and can fail.
-
-Sabotages run two at a time (tests/two_at_a_time.py): never two of one notebook, and those whose
-failing cell reads Lab 1's busy fraction with nothing beside them. The module took 305 s one at a
-time and 231-261 s so (two runs on the 2-core box).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import textwrap
@@ -29,8 +24,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from labkit.course import notebooks_dir
-from tests.forked_kernels import ForkedKernelManager, close_zygote, zygote
-from tests.two_at_a_time import TwoAtATime
+from tests.forked_kernels import ForkedKernelManager, close_zygote
 
 REPO = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 600
@@ -50,9 +44,6 @@ class Sabotage:
     trim: str = ""
     """Code run after ``code`` (which must patch before anything imports what it breaks) that shrinks work
     the failing cell does not read (see the TRIM_* notes)."""
-    alone: bool = False
-    """The failing cell reads the accelerator's busy fraction: Lab 1 pins its accelerator to one core and
-    its loader to the other, so this part runs with no other sabotage beside it (tests/two_at_a_time.py)."""
 
 
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
@@ -165,7 +156,7 @@ SABOTAGES = [
             return self.files(rung="transformed cache"), cache
         ladder.Ladder.transformed_cache = _cache_that_decodes
     """, fails_at="cell-17b", says="removes the conversion bottleneck",
-             needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-17"), alone=True),
+             needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-17")),
     Sabotage("01_input_pipeline", "the transformed cache is read from the page cache, not the disk", """
         from labkit import pagecache
         pagecache.drop = lambda path: True
@@ -190,8 +181,7 @@ SABOTAGES = [
         arrow_conversion.write_slice = lambda paths, labels, target, **kwargs: _write(
             paths, labels, str(target) + ".8px", **kwargs)
     """, fails_at="parquet-assert", says="the row-wise conversion still starves the accelerator",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET,
-             alone=True),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
     Sabotage("01_input_pipeline", "the columnar Parquet reader also converts every row as it reads", """
         from labkit import arrow_conversion
         _columnar = arrow_conversion.columnar
@@ -201,7 +191,7 @@ SABOTAGES = [
             return _columnar(table, log, **kwargs)
         arrow_conversion.CONVERSIONS["columnar"] = _columnar_with_rows
     """, fails_at="parquet-assert", says="the columnar reader narrows the gap",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), alone=True),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run")),
     Sabotage("01_input_pipeline", "the columnar Parquet reader keeps the tensors it converted in an earlier epoch", """
         from labkit import arrow_conversion, ladder
         _iter, _kept = arrow_conversion.ParquetBatches.__iter__, {}
@@ -225,18 +215,17 @@ SABOTAGES = [
         ladder.Ladder.parquet = _columnar_twice
     """, fails_at="cell-17b", says="the transformed cache removes what the columnar reader still repeats",
              needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-10", "parquet-run", "cell-17"),
-             trim=TRIM_LAB1_SMALL_PARQUET, alone=True),
+             trim=TRIM_LAB1_SMALL_PARQUET),
     Sabotage("01_input_pipeline", "the slice 'in RAM' is decoded from the files every epoch", """
         from labkit import ladder
         ladder.Ladder.in_ram = lambda self: self.files(rung="in RAM")
-    """, fails_at="cell-08", says="with data in RAM the accelerator should be busy", alone=True),
+    """, fails_at="cell-08", says="with data in RAM the accelerator should be busy"),
     Sabotage("01_input_pipeline", "the loader ignores its workers and decodes in the training loop", """
         from labkit import loaders
         _file_loader = loaders.file_loader
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-22"), trim=TRIM_LAB1_ONE_DRAFT_ROUND,
-             alone=True),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-22"), trim=TRIM_LAB1_ONE_DRAFT_ROUND),
     Sabotage("01_input_pipeline", "the loader's workers take turns on the store, one GET at a time", """
         import multiprocessing
         from labkit import objectstore
@@ -599,13 +588,16 @@ def execute(nb: nbformat.NotebookNode, env: dict[str, str]) -> None:
     """Run ``nb`` in a fresh kernel with ``env`` added, exercises unanswered; raises CellExecutionError.
 
     The kernel is forked from a process that has imported torch already (see tests/forked_kernels.py).
-    The environment goes to that kernel alone: two sabotages run at once (see :func:`_sabotage_runs`).
     """
-    kernel_env = {**os.environ, "LABKIT_SOLUTIONS": "0", **env}   # exercise cells only print what they wait for
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
-                            kernel_manager_class=ForkedKernelManager,
-                            resources={"metadata": {"path": str(notebooks_dir())}})
-    asyncio.run(client.async_execute(env=kernel_env))
+    saved = dict(os.environ)
+    os.environ.update({"LABKIT_SOLUTIONS": "0", **env})   # exercise cells only print what they wait for
+    try:
+        NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
+                       kernel_manager_class=ForkedKernelManager,
+                       resources={"metadata": {"path": str(notebooks_dir())}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, str],
@@ -624,32 +616,18 @@ def run_until(notebook: str, first_cell: str, last_cell_id: str, env: dict[str, 
     return None, ""
 
 
-def run_sabotage(sabotage: Sabotage, folder: Path) -> tuple[str | None, str]:
-    """The sabotaged notebook, up to the cell that must fail: the first failing cell's id and error text."""
-    code = _first_cell(sabotage.code, sabotage.trim)
-    return run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(folder, code), sabotage.needs)
-
-
-@pytest.fixture(scope="module")
-def _sabotage_runs(request, tmp_path_factory):
-    """Every selected sabotage, started two at a time as soon as the first test asks (two kernels
-    share the 2-core box well: much of a lab's time is spent waiting). Two of one notebook never
-    run at once (they would share its files), and an ``alone`` one runs with nothing beside it."""
-    selected = [item.callspec.params["sabotage"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_a_broken_mechanism_fails_the_labs_own_assert"]
-    zygote()   # started once, before two threads ask for it
-    runs = TwoAtATime(selected, lambda sabotage: run_sabotage(sabotage, tmp_path_factory.mktemp("sabotage")),
-                      group=lambda sabotage: sabotage.notebook, alone=lambda sabotage: sabotage.alone)
-    yield runs
-    runs.stop(timeout_s=0)
-    close_zygote()   # its kernels, and the ranks they started, die with it
-    runs.stop()
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_zygote_stopped_at_the_end():
+    yield
+    close_zygote()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sabotage", SABOTAGES, ids=lambda s: f"{s.notebook[:2]}-{s.name}")
-def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, _sabotage_runs):
-    failed_cell, error = _sabotage_runs.result(sabotage)
+def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
+    code = _first_cell(sabotage.code, sabotage.trim)
+    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code),
+                                   sabotage.needs)
     assert failed_cell is not None, f"{sabotage.name}: every cell up to {sabotage.fails_at} passed"
     assert failed_cell == sabotage.fails_at, f"{sabotage.name}: cell {failed_cell} failed first:\n{error[-1500:]}"
     assert "AssertionError" in error, error[-1500:]
