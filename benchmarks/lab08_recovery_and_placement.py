@@ -11,7 +11,7 @@ Targets (issue 9, CI profile): a killed rank back to the next training step in <
 so and skips): per repeat and placement, measured step over the simulator's step from measured links,
 and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
 EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, a clean job's false alarms, and the
-steps until a rank doing 30% more work is caught. torchrun against the supervisor: the same kill's
+steps until a rank doing twice the work is caught. torchrun against the supervisor: the same kill's
 fault-to-next-step time under each, for elastic.RESTART_BAND. Prints figures; asserts nothing about noise.
 """
 
@@ -87,7 +87,7 @@ def straggler_detection(work: Path, runs: int) -> None:
               f"straggler on rank {fault.rank} caught after {steps} slow steps "
               f"({detection.detail if detection else 'missed'}); load average {load_average()}")
     found = [s for s in caught if s is not None]
-    print(f"straggler {recovery_rank.STRAGGLE_SLOWDOWN:.0%} slower: caught in {len(found)}/{runs} runs after "
+    print(f"straggler doing {1 + recovery_rank.STRAGGLE_SLOWDOWN:g}x the work: caught in {len(found)}/{runs} runs after "
           f"{min(found, default=0)}-{max(found, default=0)} steps (window {rule.window}, factor {rule.factor}); "
           f"false alarms {false_alarms} over {2 * runs} jobs; clean jobs' worst window {min(worst):.3f}-{max(worst):.3f}")
 
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument("--fabric-repeats", type=int, default=3, help="placement runs on the fabric (0: none)")
     parser.add_argument("--only-fabric", action="store_true", help="skip recovery, simulator speed and torchrun")
-    parser.add_argument("--straggler-runs", type=int, default=3, help="clean + 20%%-straggler job pairs (0: none)")
+    parser.add_argument("--straggler-runs", type=int, default=3, help="clean + straggler job pairs (0: none)")
     parser.add_argument("--elastic-pairs", type=int, default=0, help="supervisor + torchrun pairs, the same kill")
     parser.add_argument("--only-straggler", action="store_true", help="only the straggler and elastic runs")
     args = parser.parse_args()

@@ -43,9 +43,11 @@ RUN_ID_VAR = "LABKIT_RUN_ID"
 RESTART_VAR = "LABKIT_RESTART_COUNT"
 
 TORCHELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
-STRAGGLE_SLOWDOWN = 0.3
-"""How much slower a straggling node computes: 30%, the top of the 10-30% real stragglers show, and
-what the 2-core CI box can tell from two healthy ranks' drift (:class:`labkit.stragglers.StragglerRule`)."""
+STRAGGLE_SLOWDOWN = 1.0
+"""How much more work a straggling node does per step: 1.0, twice the work, a node at half speed. A slow
+node in a fleet may be only slightly slower, but on the shared 2-core CI box two healthy ranks' fastest
+steps drift up to 1.21x apart, so a straggler must be clearly slower than that to be told apart
+(:class:`labkit.stragglers.StragglerRule`)."""
 
 
 def restart_count() -> int:
@@ -119,8 +121,8 @@ def train_rank(
 
     Data-parallel SGD with momentum: every rank computes gradients on its own
     batch, one all-reduce averages them, rank 0 saves. Checkpoint ``k`` holds the state after
-    ``k`` steps (``loader_position=k``). A straggling rank's node computes ``1 + straggle_slowdown``
-    times slower (0.3: 30% slower; real stragglers are 10-30% slower).
+    ``k`` steps (``loader_position=k``). A straggling rank's node takes ``1 + straggle_slowdown``
+    times as long to compute (1.0: half speed).
     """
     import torch.distributed as dist
 

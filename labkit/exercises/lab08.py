@@ -80,6 +80,6 @@ def _replay(rule: StragglerTest, per_step: dict[int, dict[int, float]], fault: f
             return (f"it calls rank {rank} a straggler at step {step} of attempt {attempt}, a healthy rank ({detail}): "
                     "a false alarm restarts a healthy run")
     if fault is not None:
-        return (f"rank {fault.rank} did {STRAGGLE_SLOWDOWN:.0%} more work per step from step {fault.step} on, "
+        return (f"rank {fault.rank} did {1 + STRAGGLE_SLOWDOWN:g}x the work per step from step {fault.step} on, "
                 "and the rule never caught it")
     return None
