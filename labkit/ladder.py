@@ -79,9 +79,9 @@ model ran 20-35% below the rate measured when it was sized (the loader's work on
 the other core shares the memory system), and one width step moves the rate by
 30-60%, so the width nearest the target is taken. Here 3x picked width 8 in 9 of 10
 runs of Lab 1 (6 in one): the transformed cache trained at 1.99-4.20x the raw cache's
-images/s (asserted > 1.4x). Width 9, picked where the decode measured slow at the start,
-gave 1.65x and 1.95x in two other runs, less margin. The worker sweep does not depend on this choice: it balances compute with
-decode itself (:meth:`Ladder.balanced_steps`)."""
+images/s (asserted > 1.4x). Width 9, picked where the decode measured slow at the
+start, gave 1.65x and 1.95x in two other runs, less margin. The worker sweep does not
+depend on this choice: it balances compute with decode itself (:meth:`Ladder.balanced_steps`)."""
 
 
 def busy_the_sizing_implies() -> float | None:

@@ -26,14 +26,15 @@ class StragglerRule:
     only ever adds time, so a node's fastest step in a window is its speed, while a slow node is slow at
     every step, its fastest included. Why steps of the same window: whatever slows every rank (a busy
     machine, a bigger batch) cancels. The price: a slow node is seen only once its whole window is slow,
-    ``window`` steps after it turned (31-32 steps in 10 runs).
+    ``window`` steps after it turned (30-32 steps in 20 runs).
 
     Why 1.5x: on the 2-core CI box two healthy ranks' fastest steps over 31-step windows were
-    1.01-1.08x apart in 10 runs, up to 1.21x apart in 6 runs beside a process streaming through a 64 MB
+    1.01-1.15x apart in 26 runs, up to 1.21x apart in 6 runs beside a process streaming through a 64 MB
     array (a neighbour that evicts one rank's caches), and 1.16x apart in one CI run, a false alarm at the
-    earlier 1.15x threshold. A rank doing twice the work measured 1.92-2.02x (10 runs), and 1.79x at
-    worst beside that neighbour. A rank 30% slower (1.29-1.33x when the box was quiet) cannot be told
-    from a healthy one there; where healthy ranks drift less, a lower ``factor`` finds smaller slowdowns.
+    earlier 1.15x threshold. A rank doing twice the work measured 1.91-2.12x once its window was all
+    slow (20 runs), and 1.79x at worst beside that neighbour. A rank doing 30% more work measured 1.17x at worst in 6 quiet runs and
+    1.10x beside the neighbour: here it cannot be told from a healthy rank. Where healthy ranks drift
+    less, a lower ``factor`` finds smaller slowdowns.
     (``python benchmarks/lab08_recovery_and_placement.py --only-straggler --straggler-runs 10 --elastic-pairs 0``.)
     """
 
