@@ -356,16 +356,16 @@ class Ladder:
         """One thread's CPU milliseconds to read, decode and resize an image (best of 2 over 200 images)."""
         return loaders.stage_costs(self.paths[:200], self.sizes.image_px, repeats=2)["resize"]
 
-    def worker_sweep(self, workers: tuple[int, ...], *, rounds: int = 3,
+    def worker_sweep(self, workers: tuple[int, ...], *, rounds: int = 2,
                      steps_per_batch: int = 1) -> dict[int, MeterSummary]:
         """The file path with 0, 1, ... DataLoader workers (0 = decode in the training loop).
 
         The worker counts take turns for ``rounds`` epochs each and each keeps its
         fastest epoch: the comparison is a small difference of two wall times, and
         a busy spell on a shared machine would otherwise land on one side only.
-        With ``steps_per_batch`` from :meth:`balanced_steps`, three rounds gave one
-        worker's busy fraction over none's 1.79-2.01 in 6 sweeps (five rounds:
-        1.91-2.11 in 3), against the 1.3 Lab 1 asserts.
+        With ``steps_per_batch`` from :meth:`balanced_steps`, two rounds gave one
+        worker's busy fraction over none's 1.65-1.95 in 10 runs of Lab 1 (three rounds:
+        1.60-2.21 in 19), against the 1.3 Lab 1 asserts.
         """
         feeds = {w: lambda w=w: self.files(workers=w, rung=f"files, {w} workers", steps_per_batch=steps_per_batch)
                  for w in workers}
@@ -374,12 +374,13 @@ class Ladder:
             self.results[f"files, {w} workers"] = summary
         return best
 
-    def draft_comparison(self, *, rounds: int = 3) -> tuple[MeterSummary, MeterSummary]:
+    def draft_comparison(self, *, rounds: int = 2) -> tuple[MeterSummary, MeterSummary]:
         """The file path decoding full JPEGs and with ``draft`` decode, taking turns, best of ``rounds`` each.
 
         One epoch of each, minutes apart, compared the "files" rung with a draft run
         made after the worker sweep: a busy spell on a shared CI box landed on the
-        draft side once and it came out under 1.1x files (on a quiet box 1.6-2.3x).
+        draft side once and it came out under 1.1x files (on a quiet box 1.6-2.3x). Taking
+        turns, two rounds gave draft 1.60-1.79x full in 10 runs of Lab 1 (three: 1.51-1.83x in 19).
         """
         full, draft = "files, full decode", "files + draft decode"
         best = best_of_turns({full: lambda: self.files(rung=full), draft: lambda: self.files(draft=True, rung=draft)},

@@ -75,7 +75,7 @@ TRIM_LAB1_SMALL_PARQUET = """
 TRIM_LAB1_ONE_DRAFT_ROUND = """
     from labkit import ladder
     _draft_comparison = ladder.Ladder.draft_comparison
-    ladder.Ladder.draft_comparison = lambda self, rounds=3: _draft_comparison(self, rounds=1)
+    ladder.Ladder.draft_comparison = lambda self, rounds=2: _draft_comparison(self, rounds=1)
 """
 TRIM_LAB2_SHORT_RACE = """
     import dataclasses
