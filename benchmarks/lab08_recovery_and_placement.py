@@ -5,6 +5,7 @@ and the placement measured on real links (the bands of labkit.placement_probe).
     python benchmarks/lab08_recovery_and_placement.py --skip-torchrun
     python benchmarks/lab08_recovery_and_placement.py --only-fabric --fabric-repeats 8
     python benchmarks/lab08_recovery_and_placement.py --only-straggler --straggler-runs 10 --elastic-pairs 5
+    python benchmarks/lab08_recovery_and_placement.py --only-intervals 10
 
 Targets (issue 9, CI profile): a killed rank back to the next training step in <= 15 s;
 10,000 GPUs and 1,000 jobs simulated in <= 5 s. On the fabric (issue 16; needs root, else it says
@@ -12,7 +13,9 @@ so and skips): per repeat and placement, measured step over the simulator's step
 and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
 EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, a clean job's false alarms, and the
 steps until a rank doing twice the work is caught. torchrun against the supervisor: the same kill's
-fault-to-next-step time under each, for elastic.RESTART_BAND. Prints figures; asserts nothing about noise.
+fault-to-next-step time under each, for elastic.RESTART_BAND. Checkpoint intervals: per run, measured over
+modelled goodput at each of labkit.interval_runs' three intervals, for AGREEMENT_BAND, and which was best.
+Prints figures; asserts nothing about noise.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import (elastic, fabric, fault_plan, fleet_model, placement, placement_probe, profile, recovery, recovery_rank,
-                    recovery_report, stragglers)
+from labkit import (elastic, fabric, fault_plan, fleet_model, interval_runs, placement, placement_probe, profile, recovery,
+                    recovery_rank, recovery_report, stragglers)
 from labkit.devices import describe_machine, load_average
 
 
@@ -109,6 +112,25 @@ def elastic_pairs(work: Path, pairs: int) -> None:
           f"(elastic.RESTART_BAND {elastic.RESTART_BAND})")
 
 
+def checkpoint_intervals(runs: int) -> None:
+    """Goodput at three checkpoint intervals, ``runs`` times: the spread of measured over modelled."""
+    ratios, best = [], []
+    for run in range(runs):
+        start = time.perf_counter()
+        experiment = interval_runs.measure(profile().pick(interval_runs.SIZES))
+        ratios.append(experiment.ratios())
+        best.append(experiment.best().factor)
+        print(f"run {run + 1}/{runs} ({time.perf_counter() - start:.1f} s): goodput "
+              + ", ".join(f"x{r.factor:g} {r.goodput:.3f}" for r in experiment.runs)
+              + " | measured/modelled " + ", ".join(f"{ratio:.2f}" for ratio in ratios[-1])
+              + f" | same weights {experiment.same_weights()} | load average {load_average()}")
+    for i, factor in enumerate(interval_runs.SIZES["ci"].factors):
+        column = [r[i] for r in ratios]
+        print(f"x{factor:g} the optimum: measured/modelled {min(column):.2f}-{max(column):.2f}")
+    print("best interval: " + ", ".join(f"x{f:g} in {best.count(f)}" for f in sorted(set(best)))
+          + f" of {runs} (AGREEMENT_BAND {interval_runs.AGREEMENT_BAND})")
+
+
 def torchrun_restart(work: Path) -> elastic.ElasticRun:
     """The same entry point under torchrun --max-restarts: a kill, a restart, the same weights."""
     tiny = {"steps": 12, "checkpoint_every": 4, "features": 32, "hidden": 64, "batch_size": 16}
@@ -131,8 +153,13 @@ def main() -> None:
     parser.add_argument("--straggler-runs", type=int, default=3, help="clean + straggler job pairs (0: none)")
     parser.add_argument("--elastic-pairs", type=int, default=0, help="supervisor + torchrun pairs, the same kill")
     parser.add_argument("--only-straggler", action="store_true", help="only the straggler and elastic runs")
+    parser.add_argument("--only-intervals", type=int, default=0, metavar="RUNS",
+                        help="only the checkpoint-interval experiment, RUNS times")
     args = parser.parse_args()
     print(describe_machine(), "| load average", load_average())
+    if args.only_intervals:
+        checkpoint_intervals(args.only_intervals)
+        return
     with tempfile.TemporaryDirectory(prefix="lab08-") as tmp:
         if args.straggler_runs:
             straggler_detection(Path(tmp), args.straggler_runs)

@@ -501,6 +501,36 @@ SABOTAGES = [
         stragglers.StragglerRule.is_slow = lambda self, own_s, others_s: False
     """, fails_at="straggler-asserts-08", says="the slow rank was caught",
              needs=('48b1b338', '67abeab2', 'straggler-run-08')),
+    Sabotage("08_recovery_and_placement", "the loops' clocks leave out their saves", """
+        from labkit import interval_runs
+        _advance = interval_runs._Loop.advance
+
+        def advance(self):
+            saving = self.save_s
+            _advance(self)
+            self.elapsed_s -= self.save_s - saving
+
+        interval_runs._Loop.advance = advance
+    """, fails_at="interval-order-08", says="goodput peaks at the middle interval",
+             needs=('48b1b338', 'interval-run-08')),
+    Sabotage("08_recovery_and_placement", "useful work timed on a baseline that saves too", """
+        from labkit import interval_runs
+        _init = interval_runs._Loop.__init__
+        interval_runs._Loop.__init__ = lambda self, sizes, interval_steps, *rest: _init(self, sizes, interval_steps or 2, *rest)
+    """, fails_at="interval-asserts-08", says="measured goodput within",
+             needs=('48b1b338', 'interval-run-08', 'interval-order-08')),
+    Sabotage("08_recovery_and_placement", "a reload that restores the model but not the optimizer's moments", """
+        from labkit import interval_runs
+        _load = interval_runs._Trainer.load
+
+        def load(sizes, path):
+            trainer, position = _load(sizes, path)
+            trainer.optimizer.state.clear()
+            return trainer, position
+
+        interval_runs._Trainer.load = staticmethod(load)
+    """, fails_at="interval-asserts-08", says="every loop ended on the same weights",
+             needs=('48b1b338', 'interval-run-08', 'interval-order-08')),
     Sabotage("08_recovery_and_placement", "torchrun without restarts", """
         from labkit import elastic
         _run_torchrun = elastic.run_torchrun

@@ -1,0 +1,68 @@
+"""Goodput measured at checkpoint intervals: the loops' bookkeeping, and bad sizes named."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import interval_runs as ir
+
+TINY = ir.IntervalSizes(width=16, batch=4, failures=2)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("width", 0, "width must be >= 1"),
+    ("failures", 0, "failures must be >= 1"),
+    ("factors", (), "factors must all be > 0"),
+    ("factors", (1.0, -1.0), "factors must all be > 0"),
+    ("mtbf_over_optimum", 4.0, "mtbf_over_optimum must be at least twice the largest factor"),
+])
+def test_bad_sizes_name_the_field(field, value, says):
+    kwargs = {"width": 8, "batch": 2, "failures": 1, field: value}
+    with pytest.raises(ValueError, match=says):
+        ir.IntervalSizes(**kwargs)
+
+
+def test_arrivals_fall_one_in_each_window_and_repeat_with_the_seed():
+    arrivals, again = ir.Arrivals(2.0, seed=3), ir.Arrivals(2.0, seed=3)
+    points = [arrivals[i] for i in range(50)]
+    assert all(2.0 * i <= p < 2.0 * (i + 1) for i, p in enumerate(points))
+    assert points == [again[i] for i in range(50)]
+    with pytest.raises(ValueError, match="mtbf_s must be > 0"):
+        ir.Arrivals(0.0, seed=0)
+
+
+def test_a_loop_without_failures_saves_every_interval_and_at_the_end(tmp_path: Path):
+    loop = ir._Loop(TINY, interval_steps=4, useful_steps=10, arrivals=None, path=tmp_path / "c.pt")
+    while not loop.done:
+        loop.advance()
+    assert loop.saves == 3 and loop.failures == 0 and loop.redone_steps == 0    # at 4, 8 and 10
+    assert torch.load(tmp_path / "c.pt")["position"] == 10
+
+
+def test_a_failure_reloads_the_last_checkpoint_and_redoes_the_steps_since(tmp_path: Path):
+    class AtOnce:   # the first failure after the loop's first step; no more
+        def __getitem__(self, index):
+            return 0.0 if index == 0 else float("inf")
+
+    loop = ir._Loop(TINY, interval_steps=4, useful_steps=10, arrivals=AtOnce(), path=tmp_path / "c.pt")
+    loop.advance()
+    assert loop.failures == 1 and loop.redone_steps == 1 and loop.position == 0
+    while not loop.done:
+        loop.advance()
+    plain = ir._Loop(TINY, interval_steps=0, useful_steps=10, arrivals=None, path=tmp_path / "p.pt")
+    while not plain.done:
+        plain.advance()
+    assert loop.trainer.weights_sha256() == plain.trainer.weights_sha256()
+
+
+def test_the_experiment_measures_every_interval_against_the_same_baseline():
+    experiment = ir.measure(TINY)
+    assert [run.factor for run in experiment.runs] == list(TINY.factors)
+    assert len({run.baseline_s for run in experiment.runs}) == 1
+    assert all(0 < run.goodput <= 1.5 and run.failures >= 1 for run in experiment.runs)
+    assert all(run.redone_steps <= run.failures * run.interval_steps for run in experiment.runs)
+    assert experiment.same_weights()
+    assert experiment.costs.mtbf_s == experiment.calibration.mtbf_s
+    assert min(experiment.costs.step_s, experiment.costs.save_s, experiment.costs.reload_s) > 0
+    assert "goodput measured" in experiment.describe()
