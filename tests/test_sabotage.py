@@ -55,7 +55,8 @@ class Sabotage:
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
-# and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 5's crossover sabotage, which syncs every micro-batch, runs
+# and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 8's interval sabotages that break the ordering or the
+# final weights give each loop four failures' work instead of twelve. Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Each trim alone leaves its failing cell passing (checked with
 # `python -m tests.test_sabotage --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
@@ -121,6 +122,11 @@ TRIM_LAB8_NAN_ONLY = """
 TRIM_LAB8_KILL_ONLY = """
     from labkit import fault_plan
     fault_plan.SUDDEN_KINDS = ("kill",)
+"""
+TRIM_LAB8_FEWER_FAILURES = """
+    import dataclasses
+    from labkit import interval_runs
+    interval_runs.SIZES = {name: dataclasses.replace(size, failures=4) for name, size in interval_runs.SIZES.items()}
 """
 TRIM_LAB6_BYTES_ONLY = """
     import dataclasses
@@ -512,13 +518,13 @@ SABOTAGES = [
 
         interval_runs._Loop.advance = advance
     """, fails_at="interval-order-08", says="goodput peaks at the middle interval",
-             needs=('48b1b338', 'interval-run-08')),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FEWER_FAILURES),
     Sabotage("08_recovery_and_placement", "useful work timed on a baseline that saves too", """
         from labkit import interval_runs
         _init = interval_runs._Loop.__init__
-        interval_runs._Loop.__init__ = lambda self, sizes, interval_steps, *rest: _init(self, sizes, interval_steps or 2, *rest)
+        interval_runs._Loop.__init__ = lambda self, sizes, interval_steps, *rest: _init(self, sizes, interval_steps or 8, *rest)
     """, fails_at="interval-asserts-08", says="measured goodput within",
-             needs=('48b1b338', 'interval-run-08', 'interval-order-08')),
+             needs=('48b1b338', 'interval-run-08')),
     Sabotage("08_recovery_and_placement", "a reload that restores the model but not the optimizer's moments", """
         from labkit import interval_runs
         _load = interval_runs._Trainer.load
@@ -530,7 +536,7 @@ SABOTAGES = [
 
         interval_runs._Trainer.load = staticmethod(load)
     """, fails_at="interval-asserts-08", says="every loop ended on the same weights",
-             needs=('48b1b338', 'interval-run-08', 'interval-order-08')),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FEWER_FAILURES),
     Sabotage("08_recovery_and_placement", "torchrun without restarts", """
         from labkit import elastic
         _run_torchrun = elastic.run_torchrun
