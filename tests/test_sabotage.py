@@ -56,8 +56,7 @@ class Sabotage:
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
 # and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 8's interval sabotages that break the ordering or the
-# final weights give each loop four failures' work instead of twelve. Lab 1's Parquet sabotages convert 256 images, not the whole slice (16 s -> 12.5 s;
-# the trim alone passed parquet-assert 5 times in 5). Lab 5's crossover sabotage, which syncs every micro-batch, runs
+# final weights give each loop four failures' work instead of twelve. Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Each trim alone leaves its failing cell passing (checked with
 # `python -m tests.test_sabotage --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
@@ -198,7 +197,7 @@ SABOTAGES = [
             return _columnar(table, log, **kwargs)
         arrow_conversion.CONVERSIONS["columnar"] = _columnar_with_rows
     """, fails_at="parquet-assert", says="the columnar reader narrows the gap",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run")),
     Sabotage("01_input_pipeline", "the columnar Parquet reader keeps the tensors it converted in an earlier epoch", """
         from labkit import arrow_conversion, ladder
         _iter, _kept = arrow_conversion.ParquetBatches.__iter__, {}
