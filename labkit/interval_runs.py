@@ -51,6 +51,7 @@ import torch
 from labkit.atomic import atomic_file
 from labkit.interval import goodput, goodput_fraction, young_daly_interval_s
 from labkit.launcher import launch
+from labkit.profiles import require_at_least
 
 AGREEMENT_BAND = (0.8, 1.2)
 """Measured over modelled goodput, at every interval; thirteen runs gave 0.88-1.13 (see the module docstring)."""
@@ -71,9 +72,7 @@ class IntervalSizes:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("width", "batch", "failures"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, "width", "batch", "failures")
         if not self.factors or min(self.factors) <= 0:
             raise ValueError(f"factors must all be > 0, got {self.factors}")
         if not self.mtbf_over_optimum >= 2 * max(self.factors):
