@@ -9,6 +9,7 @@ times the sweep against them.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,13 @@ def measure(device: torch.device | str, dtype: str | None = None,
     compute roof. A real kernel turns later than the roofline's corner: how
     much later is what this measures.
 
-    The two roofs are measured here, taking turns with the points round by round,
-    and each item keeps its best round; the memory roof is the run's one
+    The two roofs are measured here, taking turns with the points round by round.
+    Each roof keeps its best round and each point its median round: a wrong byte
+    count puts a point above the memory roof in every round, a quiet moment of a
+    shared machine in one. On a 2-core VM of a busy host, the memory bandwidth
+    swung between 12 and 22 GB/s from one minute to the next, and a point's best
+    round once moved 1.40x the best of every roof measured in the same run, while
+    its other rounds stayed below it. The memory roof is the run's one
     :class:`MemoryRoof` when one is given. Roofs timed a minute earlier on a shared
     machine can be ones no point of a busier minute reaches: a CI run found no
     point at half a compute roof measured before the sweep. The compute roof is a
@@ -85,7 +91,7 @@ def measure(device: torch.device | str, dtype: str | None = None,
     device = torch.device(device)
     roof = roof or MemoryRoof(chosen.bandwidth_numel, repeats=chosen.repeats)
     roof_n = square_size_for(_skinny_matmul_cost(chosen, max(chosen.intensity_widths), dtype).flops)
-    best_point_ms = [float("inf")] * len(chosen.intensity_widths)
+    point_ms: list[list[float]] = [[] for _ in chosen.intensity_widths]
     compute_roof = 0.0
     steps = tqdm(total=rounds * (len(chosen.intensity_widths) + 1), desc="intensity sweep", leave=False)
     with steps:
@@ -94,10 +100,10 @@ def measure(device: torch.device | str, dtype: str | None = None,
             roof.measure(device)
             steps.update()
             for i, width in enumerate(chosen.intensity_widths):
-                best_point_ms[i] = min(best_point_ms[i], _time_skinny_matmul(device, chosen, width, dtype))
+                point_ms[i].append(_time_skinny_matmul(device, chosen, width, dtype))
                 steps.update()
-    points = [OpMeasurement(_skinny_matmul_cost(chosen, width, dtype), ms)
-              for width, ms in zip(chosen.intensity_widths, best_point_ms)]
+    points = [OpMeasurement(_skinny_matmul_cost(chosen, width, dtype), statistics.median_low(ms))
+              for width, ms in zip(chosen.intensity_widths, point_ms)]
     # The compute roof is the best FLOP/s any measurement reached (as in measure_matmul_flops).
     peak = max(compute_roof, *(p.flops_per_s for p in points))
     return IntensitySweep(points, peak, roof.bytes_per_s)

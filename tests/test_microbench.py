@@ -104,6 +104,19 @@ def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_
         sweep.crossover_intensity(0)
 
 
+def test_a_point_is_its_median_round_so_one_quiet_moment_does_not_put_it_over_the_roof(monkeypatch):
+    rounds_ms = [1.0, 10.0, 9.0]   # each point's rounds: one quiet moment, two typical ones
+    times: dict[int, list[float]] = {}
+
+    def timed(device, chosen, width, dtype):
+        times.setdefault(width, []).append(rounds_ms[len(times[width])])
+        return times[width][-1]
+
+    monkeypatch.setattr(intensity_sweep, "_time_skinny_matmul", timed)
+    sweep = intensity_sweep.measure("cpu", "float32", TINY, rounds=3)
+    assert [p.ms for p in sweep.points] == [9.0] * len(TINY.intensity_widths)
+
+
 def test_the_roof_matmul_does_at_least_the_widest_points_flops_on_a_blocking_multiple():
     assert intensity_sweep.square_size_for(2 * 1024**3) == 1024
     assert intensity_sweep.square_size_for(2 * 1025**3) == 1280
