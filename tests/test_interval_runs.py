@@ -32,12 +32,16 @@ def test_arrivals_fall_one_in_each_window_and_repeat_with_the_seed():
         ir.Arrivals(0.0, seed=0)
 
 
-def test_a_loop_without_failures_saves_every_interval_and_at_the_end(tmp_path: Path):
-    loop = ir._Loop(TINY, interval_steps=4, useful_steps=10, arrivals=None, path=tmp_path / "c.pt")
-    while not loop.done:
-        loop.advance()
-    assert loop.saves == 3 and loop.failures == 0 and loop.redone_steps == 0    # at 4, 8 and 10
-    assert torch.load(tmp_path / "c.pt")["position"] == 10
+def test_a_loop_saves_once_its_steps_have_taken_the_interval_and_at_the_end(tmp_path: Path):
+    every_step = ir._Loop(TINY, interval_s=1e-9, useful_steps=10, arrivals=None, path=tmp_path / "c.pt")
+    at_the_end = ir._Loop(TINY, interval_s=1e9, useful_steps=10, arrivals=None, path=tmp_path / "d.pt")
+    for loop in (every_step, at_the_end):
+        while not loop.done:
+            loop.advance()
+        assert loop.failures == 0 and loop.redone_steps == 0
+    assert every_step.saves == 10 and every_step.full_stretches == 10 and every_step.measured_interval_s > 0
+    assert at_the_end.saves == 1 and at_the_end.full_stretches == 0 and at_the_end.measured_interval_s == 1e9
+    assert torch.load(tmp_path / "d.pt")["position"] == 10
 
 
 def test_a_failure_reloads_the_last_checkpoint_and_redoes_the_steps_since(tmp_path: Path):
@@ -45,12 +49,12 @@ def test_a_failure_reloads_the_last_checkpoint_and_redoes_the_steps_since(tmp_pa
         def __getitem__(self, index):
             return 0.0 if index == 0 else float("inf")
 
-    loop = ir._Loop(TINY, interval_steps=4, useful_steps=10, arrivals=AtOnce(), path=tmp_path / "c.pt")
+    loop = ir._Loop(TINY, interval_s=1e9, useful_steps=10, arrivals=AtOnce(), path=tmp_path / "c.pt")
     loop.advance()
     assert loop.failures == 1 and loop.redone_steps == 1 and loop.position == 0
     while not loop.done:
         loop.advance()
-    plain = ir._Loop(TINY, interval_steps=0, useful_steps=10, arrivals=None, path=tmp_path / "p.pt")
+    plain = ir._Loop(TINY, interval_s=0.0, useful_steps=10, arrivals=None, path=tmp_path / "p.pt")
     while not plain.done:
         plain.advance()
     assert loop.trainer.weights_sha256() == plain.trainer.weights_sha256()
@@ -61,7 +65,7 @@ def test_the_experiment_measures_every_interval_against_the_same_baseline():
     assert [run.factor for run in experiment.runs] == list(TINY.factors)
     assert len({run.baseline_s for run in experiment.runs}) == 1
     assert all(0 < run.goodput <= 1.5 and run.failures >= 1 for run in experiment.runs)
-    assert all(run.redone_steps <= run.failures * run.interval_steps for run in experiment.runs)
+    assert all(run.interval_s >= run.factor * experiment.calibration.optimum_s for run in experiment.runs)
     assert experiment.same_weights()
     assert experiment.costs.mtbf_s == experiment.calibration.mtbf_s
     assert min(experiment.costs.step_s, experiment.costs.save_s, experiment.costs.reload_s) > 0

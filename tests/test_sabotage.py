@@ -523,7 +523,7 @@ SABOTAGES = [
     Sabotage("08_recovery_and_placement", "useful work timed on a baseline that saves too", """
         from labkit import interval_runs
         _init = interval_runs._Loop.__init__
-        interval_runs._Loop.__init__ = lambda self, sizes, interval_steps, *rest: _init(self, sizes, interval_steps or 8, *rest)
+        interval_runs._Loop.__init__ = lambda self, sizes, interval_s, *rest: _init(self, sizes, interval_s or 0.005, *rest)
     """, fails_at="interval-asserts-08", says="measured goodput within",
              needs=('48b1b338', 'interval-run-08')),
     Sabotage("08_recovery_and_placement", "a reload that restores the model but not the optimizer's moments", """
