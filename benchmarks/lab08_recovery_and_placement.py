@@ -79,7 +79,7 @@ def straggler_detection(work: Path, runs: int) -> None:
     caught, false_alarms, worst = [], 0, []
     for run in range(runs):
         clean = recovery.supervise(work / "clean", world_size=2, spares=0, max_restarts=0, **size)
-        worst.append(stragglers.worst_window_ratio(clean, rule.window))
+        worst.append(stragglers.worst_window_ratio(clean, rule))
         fault = fault_plan.Fault("straggle", rank=run % 2, step=20)
         slow = recovery.supervise(work / "straggle", world_size=2, spares=1, faults=[fault], **size)
         detection = next((d for d in slow.detections if d.fault_id == fault.fault_id), None)

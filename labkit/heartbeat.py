@@ -43,6 +43,7 @@ class HeartbeatWatch:
     nonfinite: dict[int, dict] = field(default_factory=dict)
     straggler: tuple[int, str] | None = None
     steps_seen: int = 0
+    steps_judged: int = 0
     done: set[int] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
     errors: dict[int, dict] = field(default_factory=dict)
@@ -73,6 +74,9 @@ class HeartbeatWatch:
         if len(times) < max(len(self.ready), 2):
             return
         del self.compute_s[step]
+        self.steps_judged += 1
+        if self.steps_judged <= self.rule.warmup:   # a start's first steps pay one-time costs (StragglerRule)
+            return
         for rank, others in others_median(times).items():
             own_s = self.own_s.setdefault(rank, deque(maxlen=self.rule.window))
             others_s = self.others_s.setdefault(rank, deque(maxlen=self.rule.window))

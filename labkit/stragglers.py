@@ -36,16 +36,26 @@ class StragglerRule:
     1.10x beside the neighbour: here it cannot be told from a healthy rank. Where healthy ranks drift
     less, a lower ``factor`` finds smaller slowdowns.
     (``python benchmarks/lab08_recovery_and_placement.py --only-straggler --straggler-runs 10 --elastic-pairs 0``.)
+
+    Why ``warmup``: the first steps after a start pay one-time costs (first allocations, page faults, thread
+    pools), unevenly between ranks. On a busier host than the one above, a clean job's first window
+    (steps 0-30) reached 1.62x and 1.78x in 2 of about 20 jobs, false alarms at 1.5x, while in ten clean jobs
+    every window from step 10 on stayed at or below 1.32x. A node that turns slow later is caught as before:
+    its window is all slow steps either way.
     """
 
     factor: float = 1.5
     window: int = 31
+    warmup: int = 10
+    """Steps of each start (first launch or restart) the rule does not judge."""
 
     def __post_init__(self) -> None:
         if self.factor <= 1:
             raise ValueError(f"straggler factor must be > 1, got {self.factor}")
         if self.window < 1:
             raise ValueError(f"straggler window must be >= 1 step, got {self.window}")
+        if self.warmup < 0:
+            raise ValueError(f"straggler warmup must be >= 0 steps, got {self.warmup}")
 
     def is_slow(self, own_s: Sequence[float], others_s: Sequence[float]) -> bool:
         """Do the last ``window`` steps (own compute, and the other ranks' median compute) say straggler?"""
@@ -62,21 +72,21 @@ def others_median(compute_s: dict[int, float]) -> dict[int, float]:
     return {rank: statistics.median(t for r, t in compute_s.items() if r != rank) for rank in compute_s}
 
 
-def window_ratios(compute_s: dict[int, dict[int, float]], window: int) -> dict[int, list[float]]:
-    """rank -> :func:`window_ratio` of every full ``window`` of steps, from step -> rank -> compute
-    seconds: what :class:`StragglerRule` judges, for one attempt."""
-    steps = sorted(s for s, times in compute_s.items() if len(times) > 1)
+def window_ratios(compute_s: dict[int, dict[int, float]], window: int, warmup: int = 0) -> dict[int, list[float]]:
+    """rank -> :func:`window_ratio` of every full ``window`` of steps after the first ``warmup``, from step ->
+    rank -> compute seconds: what :class:`StragglerRule` judges, for one attempt."""
+    steps = sorted(s for s, times in compute_s.items() if len(times) > 1)[warmup:]
     others = [others_median(compute_s[s]) for s in steps]
     ranks = sorted(compute_s[steps[0]]) if steps else []
     return {rank: [window_ratio([compute_s[s][rank] for s in steps[i - window:i]], [o[rank] for o in others[i - window:i]])
                    for i in range(window, len(steps) + 1)] for rank in ranks}
 
 
-def worst_window_ratio(report: RunReport, window: int) -> float:
-    """The largest :func:`window_ratio` any rank reached in any attempt of ``report``: how far apart
-    healthy ranks drift, for a straggler threshold to clear."""
+def worst_window_ratio(report: RunReport, rule: StragglerRule) -> float:
+    """The largest :func:`window_ratio` any rank reached in any attempt of ``report``, over the windows
+    ``rule`` judges: how far apart healthy ranks drift, for its threshold to clear."""
     return max([1.0, *(r for per_step in compute_times(report).values()
-                       for ratios in window_ratios(per_step, window).values() for r in ratios)])
+                       for ratios in window_ratios(per_step, rule.window, rule.warmup).values() for r in ratios)])
 
 
 def plot_windows(clean: RunReport, straggled: RunReport, fault: Fault, rule: StragglerRule):
@@ -87,8 +97,8 @@ def plot_windows(clean: RunReport, straggled: RunReport, fault: Fault, rule: Str
     fig, (ax,) = plots.figure(1, width=9, height=3.8)
     for name, report, style in (("healthy run", clean, ":"), ("straggler run", straggled, "-")):
         for attempt, per_step in compute_times(report).items():
-            steps = sorted(s for s, times in per_step.items() if len(times) > 1)[rule.window - 1:]
-            for rank, medians in window_ratios(per_step, rule.window).items():
+            steps = sorted(s for s, times in per_step.items() if len(times) > 1)[rule.warmup + rule.window - 1:]
+            for rank, medians in window_ratios(per_step, rule.window, rule.warmup).items():
                 slow = report is straggled and rank == fault.rank and attempt == 0
                 ax.plot(steps, medians, style, lw=1.6 if slow else 1.0,
                         color=plots.WARN if slow else (plots.BASELINE if report is clean else plots.FIX),

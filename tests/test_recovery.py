@@ -97,7 +97,7 @@ def test_bursts_on_a_healthy_rank_are_noise_not_a_straggler():
 
 
 def test_a_step_is_judged_once_every_ready_rank_reported_it():
-    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 1))
+    watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.15, 1, warmup=0))
     _ranks_ready(watch, [0, 1, 2])
     watch.feed(0, _step(0, 0, 0.010))
     watch.feed(1, _step(1, 0, 0.020))
@@ -116,8 +116,19 @@ def test_window_ratios_are_what_the_rule_judges():
     assert rule.is_slow([0.013, 0.02, 0.013, 0.05, 0.013], [0.010, 0.03, 0.010, 0.010, 0.011])
 
 
+def test_a_rank_slow_only_in_its_first_steps_is_warming_up_not_straggling():
+    for warmup, caught in ((0, True), (10, False)):
+        watch = heartbeat.HeartbeatWatch(stragglers.StragglerRule(1.5, 7, warmup))
+        _ranks_ready(watch, [0, 1])
+        for step in range(30):
+            watch.feed(0, _step(0, step, 0.010))
+            watch.feed(1, _step(1, step, 0.018 if step < 9 else 0.010))
+        assert (watch.straggler is not None) == caught
+
+
 @pytest.mark.parametrize("field, value, says", [("factor", 1.0, "factor must be > 1"),
-                                                ("window", 0, "window must be >= 1")])
+                                                ("window", 0, "window must be >= 1"),
+                                                ("warmup", -1, "warmup must be >= 0")])
 def test_a_straggler_rule_that_could_never_or_always_fire_is_refused(field, value, says):
     with pytest.raises(ValueError, match=says):
         stragglers.StragglerRule(**{field: value})
