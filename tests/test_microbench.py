@@ -99,6 +99,8 @@ def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_
     assert sweep.over_memory_roof() == []
     beater = point(1, 1.0)                         # 1e9 FLOP/s at intensity 1: 10x the memory roof
     assert intensity_sweep.IntensitySweep([beater], 1e9, 1e8).over_memory_roof() == [beater]
+    streamed = point(1, 100 / 1.4)                 # 1.4x the roof: a kernel whose writes skip write-allocate
+    assert intensity_sweep.IntensitySweep([streamed], 1e9, 1e8).over_memory_roof() == []
     assert intensity_sweep.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
     with pytest.raises(ValueError, match="share must be in"):
         sweep.crossover_intensity(0)
