@@ -16,8 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import roofline
-from labkit.microbench import (MEASUREMENT_TOLERANCE, WRITE_ALLOCATE_ALLOWANCE, MemoryRoof, MicrobenchSizes, OpMeasurement, best_ms,
-                               matmul_precision, sizes, square_matmul_flops, torch_dtype)
+from labkit.microbench import (MEASUREMENT_TOLERANCE, WRITE_ALLOCATE_ALLOWANCE, MemoryRoof, MicrobenchSizes,
+                               OpMeasurement, best_ms, matmul_precision, sizes, square_matmul_flops, torch_dtype)
 
 ROOF_TILE = 256
 """Square roof matmuls are sized in multiples of this (see :func:`square_size_for`)."""
@@ -76,8 +76,8 @@ def measure(device: torch.device | str, dtype: str | None = None,
     quiet moment of a shared machine does not set a point. Points may still
     beat the memory roof by STREAM's uncounted write-allocate reads
     (:data:`~labkit.microbench.WRITE_ALLOCATE_ALLOWANCE`): on a busy host, skinny
-    matmuls ran 1.29-1.40x the roof, once in their median round. The memory roof is the run's one
-    :class:`MemoryRoof` when one is given. Roofs timed a minute earlier on a shared
+    matmuls ran 1.29-1.40x the roof, once in their median round. The memory
+    roof is the run's one :class:`MemoryRoof` when one is given. Roofs timed a minute earlier on a shared
     machine can be ones no point of a busier minute reaches: a CI run found no
     point at half a compute roof measured before the sweep. The compute roof is a
     square matmul doing as many FLOPs as the widest point: beside a busy process,

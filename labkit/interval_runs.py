@@ -188,7 +188,9 @@ class Arrivals:
 SETTLING_ROUNDS = 200
 """After this many steps in turns, the steps to run are set from the baseline's own mean step, so a loop meets
 about ``failures`` failures: a median step timed alone just before ranged 0.48-1.09 ms against 0.53-0.83 ms in
-the runs that followed, and runs met 8 to 24 failures where the step count came from it."""
+the runs that followed, and runs met 8 to 24 failures where the step count came from it; set from the pace,
+six runs met 13 to 27 (more where goodput is lower). Never below half the first count: a loop is then still
+far from done."""
 
 
 class _Loop:
