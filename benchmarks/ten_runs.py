@@ -8,6 +8,9 @@ lab that passes some runs and fails others; the summary names the cell.
 
     python benchmarks/ten_runs.py [--runs 10] [--out data/ten-runs] [LAB ...]
 
+Exercises run with their reference answers, as the test suite runs them (each check then also measures,
+and must reject a wrong answer); ``LABKIT_SOLUTIONS=0`` runs them as a learner first sees them.
+
 Exit status 1 when any lab failed any run or left something behind. A full run
 of all eight labs takes 5-6 minutes on a 2-core CPU box, so 10 runs take about an hour.
 """
@@ -28,6 +31,7 @@ import psutil
 from labkit import netns
 from labkit.course import Lab, select
 from labkit.course.runner import RunStopped, run_lab, stopped_by_signals
+from labkit.exercises import SOLUTIONS_ENV
 
 
 def left_behind() -> list[str]:
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     labs = select(args.labs)
+    os.environ.setdefault(SOLUTIONS_ENV, "1")   # each lab's kernel inherits it
     start = time.monotonic()
     try:
         with stopped_by_signals():   # SIGTERM stops the running lab's kernel, as `labkit run` does
