@@ -176,11 +176,18 @@ def _timed_ms(fn, device: torch.device) -> float:
     return (time.process_time() - start) * 1e3
 
 
-def measure_here(size: RecomputeSize, device: str = "cpu") -> dict:
-    """Peaks, then step times with the kinds taking turns (load from elsewhere hits both alike), fastest kept."""
+def peaks_here(size: RecomputeSize, device: str = "cpu") -> dict[str, int]:
+    """Peak bytes one step of each kind adds, each after a warm-up step."""
     model = make_model(size, device)
     x = torch.randn(size.tokens, size.width, generator=torch.Generator().manual_seed(1)).to(device)
-    peaks = {kind: _peak_bytes_here(model, x, kind) for kind in KINDS}
+    return {kind: _peak_bytes_here(model, x, kind) for kind in KINDS}
+
+
+def times_here(size: RecomputeSize, device: str = "cpu") -> dict:
+    """Step times with the kinds taking turns (load from elsewhere hits both alike), fastest kept; one forward
+    pass alone, for the model."""
+    model = make_model(size, device)
+    x = torch.randn(size.tokens, size.width, generator=torch.Generator().manual_seed(1)).to(device)
     steps: dict[str, list[float]] = {kind: [] for kind in KINDS}
     forwards: list[float] = []
     for _ in range(size.repeats):
@@ -188,31 +195,45 @@ def measure_here(size: RecomputeSize, device: str = "cpu") -> dict:
             steps[kind].append(_timed_ms(lambda: train_step(model, x, kind), x.device))
         with torch.no_grad():
             forwards.append(_timed_ms(lambda: model(x), x.device))
-    return {"peak_bytes": peaks, "step_ms": {k: min(v) for k, v in steps.items()}, "forward_ms": min(forwards),
+    return {"step_ms": {k: min(v) for k, v in steps.items()}, "forward_ms": min(forwards),
             "spread": {k: statistics.median(v) / min(v) for k, v in steps.items()}}
 
 
+PEAK_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""The peak probe's allocator: every allocation over 64 KiB its own mapping, so the resident-set high-water mark
+follows what is alive. Its steps also pay a page fault for every page they allocate, so the times are taken in
+another process, with the default allocator: timed in the peak probe, a plain step took 66 ms against 38 ms,
+and checkpointing cost 1.15-1.16x against a model of 1.29x in six runs (1.12x once in a full test run), the
+faults diluting the recomputation; with the default allocator, 1.22-1.28x against 1.28-1.30x in three."""
+
+
 def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
-    """Both kinds measured; on the CPU in a fresh single-threaded process (see the module docstring)."""
+    """Both kinds measured; on the CPU in fresh single-threaded processes, one for the peaks and one for the
+    times (see :data:`PEAK_ALLOCATOR_ENV`)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:0', ...), got {device!r}")
     if device.startswith("cuda"):
-        got = measure_here(size, device)
-        return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"], "torch.cuda.max_memory_allocated",
+        peaks, times = peaks_here(size, device), times_here(size, device)
+        return RecomputeResult(size, peaks, times["step_ms"], times["forward_ms"], "torch.cuda.max_memory_allocated",
                                "wall clock")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "labkit.recompute", json.dumps(asdict(size))],
-                         env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"checkpointing probe failed:\n{out.stderr[-2000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return RecomputeResult(size, got["peak_bytes"], got["step_ms"], got["forward_ms"],
+    peaks, times = _probe(size, "peaks", PEAK_ALLOCATOR_ENV), _probe(size, "times", {})
+    return RecomputeResult(size, peaks, times["step_ms"], times["forward_ms"],
                            "resident-set high-water mark (VmHWM), fresh process", "CPU time of its one thread")
+
+
+def _probe(size: RecomputeSize, part: str, env: dict[str, str]):
+    """``peaks_here`` or ``times_here`` in a fresh one-threaded process with ``env`` added."""
+    out = subprocess.run([sys.executable, "-m", "labkit.recompute", json.dumps(asdict(size)), part],
+                         env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"checkpointing probe ({part}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _main(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    print(json.dumps(measure_here(RecomputeSize(**json.loads(argv[0])))))
+    size, part = RecomputeSize(**json.loads(argv[0])), argv[1]
+    print(json.dumps({"peaks": peaks_here, "times": times_here}[part](size)))
 
 
 if __name__ == "__main__":
