@@ -218,7 +218,8 @@ def measure(size: RecomputeSize, *, device: str = "cpu") -> RecomputeResult:
                                "wall clock")
     peaks, times = _probe(size, "peaks", PEAK_ALLOCATOR_ENV), _probe(size, "times", {})
     return RecomputeResult(size, peaks, times["step_ms"], times["forward_ms"],
-                           "resident-set high-water mark (VmHWM), fresh process", "CPU time of its one thread")
+                           "resident-set high-water mark (VmHWM), fresh process",
+                           "CPU time of one thread in a second fresh process")
 
 
 def _probe(size: RecomputeSize, part: str, env: dict[str, str]):
