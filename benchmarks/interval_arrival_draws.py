@@ -8,7 +8,8 @@ goodput for seed 0 and for many other seeds.
 
     python benchmarks/interval_arrival_draws.py --seeds 600
 
-The default costs are what the loops measured in four runs on the course's 2-core CI machine.
+The default costs are about what the loops measured in four runs on a 2-core CI machine (step 0.38-0.39 ms,
+save 1.9-2.8 ms, reload 2.3-2.4 ms).
 """
 
 from __future__ import annotations

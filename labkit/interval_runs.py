@@ -37,10 +37,11 @@ loops' own pace (:data:`SETTLING_ROUNDS`), six runs of :func:`measure` gave 1.01
 middle interval best in all of them. At four times the optimum the loops measured above the model more
 often than below (about 1.04x on average), from the one draw of arrival points: there an interval is half
 the MTBF, so each of a loop's ~16 failures loses anywhere from nothing to half an MTBF of work, and which
-depends on where its points fall. In four runs here seed 0's points cost the longest interval 0.88-0.92 of
-the modelled lost work a failure (1.03-1.06x goodput). Replayed step by step at a constant step time
-(``benchmarks/interval_arrival_draws.py``), seed 0 gives 1.02x there and 600 other seeds 0.89-1.18x, mean
-1.01x (the first-order model's own error), sd 0.05: the draw, not the machine, sets most of that spread.
+depends on where its points fall. In four runs on a 2-core CI machine seed 0's points cost the longest
+interval 0.88-0.92 of the modelled lost work a failure (1.03-1.06x goodput). Replayed step by step at a
+constant step time (``benchmarks/interval_arrival_draws.py``), seed 0 gives 1.02x there and 600 other
+seeds 0.89-1.18x, mean 1.01x (the first-order model's own error), sd 0.05: the draw, not the machine, sets
+most of that spread.
 """
 
 from __future__ import annotations
