@@ -203,7 +203,7 @@ PEAK_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """The peak probe's allocator: every allocation over 64 KiB its own mapping, so the resident-set high-water mark
 follows what is alive. Its steps also pay a page fault for every page they allocate, so the times are taken in
 another process, with the default allocator: timed in the peak probe, a plain step took 66 ms against 38 ms,
-and checkpointing cost 1.15-1.16x against a model of 1.29x in six runs (1.12x once in a full test run), the
+and checkpointing cost 1.15-1.18x against a model of 1.29x in nine runs (1.12x once in a full test run), the
 faults diluting the recomputation; with the default allocator, 1.22-1.28x against 1.28-1.30x in three."""
 
 
