@@ -37,3 +37,27 @@ def test_bad_input_is_refused():
         recompute.measure(SMALL, device="tpu")
     with pytest.raises(ValueError, match="blocks"):
         recompute.RecomputeSize(blocks=0, width=8, tokens=16, repeats=1)
+
+
+def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
+    """The peak probe maps every large allocation on its own; timed there, steps also paid page faults."""
+    import json
+    import subprocess
+
+    calls = []
+
+    def fake_run(argv, env, **kwargs):
+        calls.append((argv[-1], env))
+        out = ({kind: 1 for kind in recompute.KINDS} if argv[-1] == "peaks" else
+               {"step_ms": {kind: 1.0 for kind in recompute.KINDS}, "forward_ms": 0.5, "spread": {}})
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(out), stderr="")
+
+    monkeypatch.setattr(recompute.subprocess, "run", fake_run)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    recompute.measure(SMALL)
+    envs = dict(calls)
+    assert set(envs) == {"peaks", "times"}
+    assert envs["peaks"]["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert "MALLOC_MMAP_THRESHOLD_" not in envs["times"]
+    assert envs["peaks"]["OMP_NUM_THREADS"] == envs["times"]["OMP_NUM_THREADS"] == "1"
+
