@@ -1,5 +1,8 @@
 """Activation checkpointing: the same gradients for less memory, and a model that says how much less."""
 
+import json
+import subprocess
+
 import pytest
 import torch
 
@@ -41,9 +44,6 @@ def test_bad_input_is_refused():
 
 def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
     """The peak probe maps every large allocation on its own; timed there, steps also paid page faults."""
-    import json
-    import subprocess
-
     calls = []
 
     def fake_run(argv, env, **kwargs):
