@@ -11,9 +11,9 @@ Targets (issue 9, CI profile): a killed rank back to the next training step in <
 10,000 GPUs and 1,000 jobs simulated in <= 5 s. On the fabric (issue 16; needs root, else it says
 so and skips): per repeat and placement, measured step over the simulator's step from measured links,
 and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
-EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, a clean job's false alarms, and the
-steps until a rank doing twice the work is caught. torchrun against the supervisor: the same kill's
-fault-to-next-step time under each, for elastic.RESTART_BAND. Checkpoint intervals: per run, measured over
+EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, the threshold calibrated on a clean job,
+false alarms in a second clean job judged with it, and the steps until a slow rank is caught. torchrun
+against the supervisor: the same kill's fault-to-next-step time under each, for elastic.RESTART_BAND. Checkpoint intervals: per run, measured over
 modelled goodput at each of labkit.interval_runs' three intervals, for AGREEMENT_BAND, and which was best.
 Prints figures; asserts nothing about noise.
 """
@@ -73,26 +73,33 @@ def placement_on_fabric(repeats: int) -> None:
 
 
 def straggler_detection(work: Path, runs: int) -> None:
-    """A clean job (any detection is a false alarm) and the same job with a straggler, ``runs`` times."""
+    """Per run: a clean job the threshold is calibrated on, a second clean job judged with it (any alarm
+    there is false), and a job whose node turns slow, judged with it; ``runs`` times."""
     size = profile().pick(recovery.SIZES).train_kwargs()
-    rule = stragglers.StragglerRule()
-    caught, false_alarms, worst = [], 0, []
+    caught, false_alarms, worst, factors, seen = [], 0, [], [], []
     for run in range(runs):
         clean = recovery.supervise(work / "clean", world_size=2, spares=0, max_restarts=0, **size)
-        worst.append(stragglers.worst_window_ratio(clean, rule))
+        rule = stragglers.calibrated(clean)
+        slowdown = stragglers.slowdown_to_show(rule)
+        held_out = recovery.supervise(work / "held-out", world_size=2, spares=3, straggler=rule, **size)
         fault = fault_plan.Fault("straggle", rank=run % 2, step=20)
-        slow = recovery.supervise(work / "straggle", world_size=2, spares=1, faults=[fault], **size)
+        slow = recovery.supervise(work / "straggle", world_size=2, spares=1, faults=[fault], straggler=rule,
+                                  straggle_slowdown=slowdown, **size)
         detection = next((d for d in slow.detections if d.fault_id == fault.fault_id), None)
-        steps = slow.steps_to_detect(detection) if detection else None
-        caught.append(steps)
-        false_alarms += len(clean.false_alarms) + len(slow.false_alarms)
-        print(f"run {run + 1}/{runs}: clean job {len(clean.false_alarms)} false alarms, worst window {worst[-1]:.3f}; "
-              f"straggler on rank {fault.rank} caught after {steps} slow steps "
+        caught.append(slow.steps_to_detect(detection) if detection else None)
+        false_alarms += len(held_out.false_alarms) + len(slow.false_alarms)
+        worst += [stragglers.worst_window_ratio(clean, rule), stragglers.worst_window_ratio(held_out, rule)]
+        factors.append(rule.factor)
+        seen.append(f"{1 + slowdown:g}x")
+        print(f"run {run + 1}/{runs}: healthy jobs' widest gaps {worst[-2]:.3f} (calibration) and {worst[-1]:.3f} "
+              f"(held out, {len(held_out.false_alarms)} false alarms); threshold {rule.factor:.3f}; a node doing "
+              f"{1 + slowdown:g}x the work on rank {fault.rank} caught after {caught[-1]} slow steps "
               f"({detection.detail if detection else 'missed'}); load average {load_average()}")
     found = [s for s in caught if s is not None]
-    print(f"straggler doing {1 + recovery_rank.STRAGGLE_SLOWDOWN:g}x the work: caught in {len(found)}/{runs} runs after "
-          f"{min(found, default=0)}-{max(found, default=0)} steps (window {rule.window}, factor {rule.factor}); "
-          f"false alarms {false_alarms} over {2 * runs} jobs; clean jobs' worst window {min(worst):.3f}-{max(worst):.3f}")
+    print(f"slow nodes shown: {', '.join(sorted(set(seen)))}; caught in {len(found)}/{runs} runs after "
+          f"{min(found, default=0)}-{max(found, default=0)} steps (window {stragglers.StragglerRule().window}); "
+          f"thresholds {min(factors):.3f}-{max(factors):.3f}; false alarms {false_alarms} over {2 * runs} judged jobs; "
+          f"healthy jobs' widest gaps {min(worst):.3f}-{max(worst):.3f}")
 
 
 def elastic_pairs(work: Path, pairs: int) -> None:
@@ -150,7 +157,7 @@ def main() -> None:
     parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument("--fabric-repeats", type=int, default=3, help="placement runs on the fabric (0: none)")
     parser.add_argument("--only-fabric", action="store_true", help="skip recovery, simulator speed and torchrun")
-    parser.add_argument("--straggler-runs", type=int, default=3, help="clean + straggler job pairs (0: none)")
+    parser.add_argument("--straggler-runs", type=int, default=3, help="calibration, held-out and straggler job triples (0: none)")
     parser.add_argument("--elastic-pairs", type=int, default=0, help="supervisor + torchrun pairs, the same kill")
     parser.add_argument("--only-straggler", action="store_true", help="only the straggler and elastic runs")
     parser.add_argument("--only-intervals", type=int, default=0, metavar="RUNS",

@@ -126,6 +126,32 @@ def test_a_rank_slow_only_in_its_first_steps_is_warming_up_not_straggling():
         assert (watch.straggler is not None) == caught
 
 
+def _healthy_report(gap: float, steps: int = 60, until: int = 60) -> recovery_report.RunReport:
+    """Two ranks over ``steps`` steps; rank 1 runs ``gap`` times rank 0's compute from step 10 to ``until``."""
+    records = {0: {rank: [{"event": "step", "step": n, "compute_s": 0.010 * (gap if rank and 10 <= n < until else 1.0)}
+                          for n in range(steps)] for rank in (0, 1)}}
+    return recovery_report.RunReport(Path("/nonexistent"), 2, [], [], [], [], 0.0, 1.0, records)
+
+
+def test_a_calibrated_threshold_sits_above_the_widest_healthy_gap_and_never_below_the_floor():
+    quiet, busy = stragglers.calibrated(_healthy_report(1.02)), stragglers.calibrated(_healthy_report(1.25))
+    assert quiet.factor == stragglers.CALIBRATION_FLOOR, "one quiet run says little about the next"
+    assert busy.factor == pytest.approx(1.25 * stragglers.CALIBRATION_HEADROOM)
+    assert (busy.window, busy.warmup) == (stragglers.StragglerRule().window, stragglers.StragglerRule().warmup)
+    assert stragglers.slowdown_to_show(quiet) == 0.3, "a 30% slower node clears a quiet machine's threshold"
+    assert stragglers.slowdown_to_show(busy) == 1.0, "beside a 1.25x drift only a node at half speed is shown"
+    with pytest.raises(ValueError, match="no slow node in"):
+        stragglers.slowdown_to_show(stragglers.StragglerRule(factor=4.0))
+
+
+def test_the_widest_gap_before_a_step_counts_only_the_windows_that_end_before_it():
+    report = _healthy_report(1.3, until=41)   # only the first judged window, steps 10-40, is all slow
+    rule = stragglers.StragglerRule()
+    assert stragglers.worst_window_ratio(report, rule) == pytest.approx(1.3)
+    assert stragglers.worst_window_ratio(report, rule, before_step=40) == 1.0, "no window ends before step 40"
+    assert stragglers.worst_window_ratio(report, rule, before_step=41) == pytest.approx(1.3)
+
+
 @pytest.mark.parametrize("field, value, says", [("factor", 1.0, "factor must be > 1"),
                                                 ("window", 0, "window must be >= 1"),
                                                 ("warmup", -1, "warmup must be >= 0")])

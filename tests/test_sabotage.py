@@ -55,7 +55,7 @@ class Sabotage:
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
 # not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
 # (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
-# and no 5 s wait to detect a hang (55-65 s -> 20 s). Lab 8's interval sabotage that breaks the final weights gives
+# and no 3 s wait to detect a hang (55-65 s -> 20 s, measured with a 5 s wait). Lab 8's interval sabotage that breaks the final weights gives
 # each loop four failures' work instead of twelve, and so does the one whose baseline saves too (its goodputs rise
 # with the baseline's saves, 1.31-1.36x in three runs with four failures); the one that breaks the ordering keeps eight, since
 # with saves off the clock the shortest interval leads only by the work its failures redo, and four average that
@@ -489,12 +489,12 @@ SABOTAGES = [
         import contextlib
         from labkit import diagnose
         diagnose._checkpoint_spans = contextlib.nullcontext
-    """, fails_at="diagnose-asserts-07", says="the profile finds a little less than the loop's clock",
+    """, fails_at="diagnose-asserts-07", says="the profile's checkpoint share agrees with the loop's clock",
              needs=('09780d08', 'diagnose-07')),
     Sabotage("07_checkpoints_and_fusion", "the diagnosis labels every step as checkpoint", """
         from labkit import step_attribution
         step_attribution.CHECKPOINT_SPAN = ""
-    """, fails_at="diagnose-asserts-07", says="the profile finds a little less than the loop's clock",
+    """, fails_at="diagnose-asserts-07", says="the profile's checkpoint share agrees with the loop's clock",
              needs=('09780d08', 'diagnose-07')),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
@@ -510,6 +510,12 @@ SABOTAGES = [
         from labkit import stragglers
         stragglers.StragglerRule.is_slow = lambda self, own_s, others_s: False
     """, fails_at="straggler-asserts-08", says="the slow rank was caught",
+             needs=('48b1b338', '67abeab2', 'straggler-run-08')),
+    Sabotage("08_recovery_and_placement", "a threshold set under the drift of healthy ranks", """
+        import dataclasses
+        from labkit import stragglers
+        stragglers.calibrated = lambda healthy, base=stragglers.StragglerRule(): dataclasses.replace(base, factor=1.001)
+    """, fails_at="straggler-asserts-08", says="no healthy rank was called slow",
              needs=('48b1b338', '67abeab2', 'straggler-run-08')),
     Sabotage("08_recovery_and_placement", "the loops' clocks leave out their saves", """
         from labkit import interval_runs
