@@ -27,12 +27,12 @@ from labkit.models import mlp, parameter_count
 from labkit.profiles import require_at_least
 
 
-PROFILE_OVER_LOOP_BAND = (0.75, 1.02)
-"""A synchronous run's checkpoint share as ``labkit.diagnose`` profiles it, over the share of the same steps
-the loop timed in save calls. Below 1: the profile names ``torch.save`` and ``fsync``, most of a save but
-not its loadability check, renames, manifest and pruning. Saving every step, as Lab 7's diagnosis does, 10 runs on the 2-core CI box gave
-0.82-0.86 (every 2 steps, 30 runs: 0.85-0.93; against the whole run's loop share, unprofiled steps
-included, 0.82-1.13, which once failed a 10-point agreement)."""
+PROFILE_LOOP_AGREEMENT = 0.10
+"""How far, in share of the step, ``labkit.diagnose``'s checkpoint share may sit from the share of the same
+steps the loop timed in save calls: the issue's 10 points. The tool wraps the course's savers whole, so
+both clocks time the same calls; before it did (``torch.save`` and ``fsync`` only), a synchronous run's
+profile found 0.82-0.86 of the loop's share, 11-23 points short, and an async save's wait for the previous
+write not at all."""
 SAVES_DOMINATE = 0.6
 """The share of the steps a synchronous run spent in save calls, by its own clock, above which a diagnosis
 must name the checkpoint: the rest of a step is compute, one category. The diagnosed job saves every step;
