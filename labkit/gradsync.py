@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -134,8 +136,11 @@ def train_rank(
     links: dict[str, Any] | None = None,
     deepspeed_stages: Sequence[int] = (),
     deepspeed_accumulation: int = 4,
+    diagnose_rate_gbit: float | None = None,
+    diagnose_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Rank function: one rank alone, then both DDP modes at every link rate, then DeepSpeed's counts.
+    """Rank function: one rank alone, then both DDP modes at every link rate, then DeepSpeed's counts, then
+    (with ``diagnose_rate_gbit``) both modes again at that rate under ``labkit.diagnose``, traces in ``diagnose_dir``.
 
     A plain dictionary crosses the pipe; :func:`run_experiment` makes every rank's one :class:`GradSyncResult`.
 
@@ -173,6 +178,14 @@ def train_rank(
             rows.append({"rate_gbit": rate_gbit, "mode": mode, "accumulation": accumulation,
                          **_measure_mode(STEP_FNS[mode], ddp, optimizer, counter, sizes, device, rank, world_size)})
     result["rows"] = rows
+    if diagnose_rate_gbit is not None:
+        from labkit.gradsync_diagnosis import diagnose_modes
+
+        if links is not None and rank == 0:
+            set_link_rate(links, diagnose_rate_gbit)
+        counter.link = None if links is not None else emulated_link(diagnose_rate_gbit)
+        steps = {mode: (lambda i, fn=fn: fn(ddp, optimizer, sizes.batches(rank, i, device))) for mode, fn in STEP_FNS.items()}
+        result["diagnoses"] = diagnose_modes(steps, Path(diagnose_dir), rank)
     if deepspeed_stages:
         from labkit.gradsync_deepspeed import deepspeed_counts
 
@@ -257,8 +270,13 @@ def run_experiment(
     sizes: GradSyncSizes | None = None,
     timeout_s: float = 300.0,
     mode: LinkMode | None = None,
+    diagnose_rate_gbit: float | None = None,
 ) -> GradSyncResult:
     """Launch :func:`train_rank` on ``world_size`` ranks, one per node, over links at each rate.
+
+    With ``diagnose_rate_gbit`` (on real links only: under the emulation gloo's time is a sleep the profiler
+    does not call communication) each mode is profiled again at that rate by ``labkit.diagnose``; the result's
+    ``diagnoses`` hold each rank's (:mod:`labkit.gradsync_diagnosis`).
 
     Real shaped links when :func:`link_mode` says ``"namespaces"`` (one fabric,
     reshaped per rate), else the sleep emulation. Returns rank 0's measurements
@@ -284,8 +302,18 @@ def run_experiment(
         deepspeed_config(stage, deepspeed_accumulation, chosen.micro_batch)
     if deepspeed_stages:
         dsops.ensure_built(accelerator=dsops.accelerator_for(backend))
+    if diagnose_rate_gbit is not None and not diagnose_rate_gbit > 0:
+        raise ValueError(f"diagnose_rate_gbit must be a rate > 0 in Gbit/s, got {diagnose_rate_gbit!r}")
     mode = mode or link_mode(backend)
+    diagnose_rate_gbit = diagnose_rate_gbit if mode.mode == "namespaces" else None
     kwargs = dict(rates_gbit=rates, deepspeed_stages=tuple(deepspeed_stages),
-                  deepspeed_accumulation=deepspeed_accumulation, **dataclasses.asdict(chosen))
-    results = launch_over_links(train_rank, world_size, rates[0], mode, backend=backend, timeout_s=timeout_s, **kwargs)
-    return gradsync_result(results, chosen, mode)
+                  deepspeed_accumulation=deepspeed_accumulation, diagnose_rate_gbit=diagnose_rate_gbit,
+                  **dataclasses.asdict(chosen))
+    with tempfile.TemporaryDirectory(prefix="labkit-gradsync-diagnose-") as traces:
+        results = launch_over_links(train_rank, world_size, rates[0], mode, backend=backend, timeout_s=timeout_s,
+                                    diagnose_dir=traces, **kwargs)
+    result = gradsync_result(results, chosen, mode)
+    if diagnose_rate_gbit is None:
+        return result
+    return dataclasses.replace(result, diagnoses=tuple(r["diagnoses"] for r in results),
+                               diagnose_rate_gbit=diagnose_rate_gbit)

@@ -152,6 +152,9 @@ class GradSyncResult:
     rows: tuple[SyncRow, ...]
     deepspeed: tuple[DeepSpeedCounts, ...] = ()
     wall_s: float = 0.0
+    diagnoses: tuple[dict[str, dict[str, Any]], ...] = ()
+    """Each rank's ``labkit.diagnose`` shares per sync mode (:mod:`labkit.gradsync_diagnosis`), if asked for."""
+    diagnose_rate_gbit: float | None = None
 
     @property
     def mode_label(self) -> str:

@@ -407,6 +407,12 @@ SABOTAGES = [
     """, fails_at="5c1e0a02", says="measured_over_model",
              needs=('861d0932', 'a171f42a', '1b231abd'),
              trim=TRIM_LAB5_RATES.format(rates="min(gradsync.RATES_GBIT), max(gradsync.RATES_GBIT)")),
+    Sabotage("05_gradient_sync", "the diagnosis does not recognise gloo's collectives", """
+        import re
+        from labkit import step_attribution
+        step_attribution._COLLECTIVE = re.compile(r"^no collective has this name$")
+    """, fails_at="diagnose-asserts-05", says="syncing every micro-batch on a slow link is communication-bound",
+             needs=('861d0932', 'a171f42a', 'diagnose-05'), trim=TRIM_LAB5_RATES.format(rates="0.5,")),
     Sabotage("05_gradient_sync", "the crossover's delayed sync syncs every micro-batch", """
         from labkit import gradsync, gradsync_crossover
         gradsync_crossover.delayed_sync = gradsync.sync_every_micro_step
