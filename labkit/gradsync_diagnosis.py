@@ -22,7 +22,10 @@ DIAGNOSED_STEPS = 3
 
 LINK_TIME_BAND = (0.85, 1.15)
 """Communication the profile found per step, over the ring model's time for the same all-reduces: at
-0.5 Gbit/s on the 2-core CI box, 0.96-1.00 (one prototype run, both modes, both ranks)."""
+0.5 Gbit/s on the 2-core CI box, ten runs of Lab 5 gave 0.96-0.99 syncing every micro-batch and 0.95-1.06
+with delayed sync (``python benchmarks/ten_runs.py --runs 10 5``). Against the same loop on one rank
+(1 - one rank's step / the two ranks' step) the profile's share fell 6-13 points short in a prototype run:
+that difference also holds the second rank's share of the two cores, which is not communication."""
 
 
 def diagnose_modes(step_fns: dict[str, Callable[[int], float]], out: Path, rank: int) -> dict[str, dict[str, Any]]:

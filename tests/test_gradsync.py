@@ -101,6 +101,28 @@ def test_without_shapers_the_model_assumes_no_framing():
     assert delayed.model_ms_per_sample == pytest.approx(1e3 * (0.032 + GRADIENT_BYTES / (0.1 * GBIT)) / 64)
 
 
+def test_the_diagnosis_of_each_mode_is_averaged_over_ranks_and_set_beside_the_ring_model():
+    from labkit import gradsync_diagnosis
+
+    def diagnosed(comm: float, step_ms: float) -> dict:
+        shares = {"data": 0.0, "host_to_device": 0.0, "compute": 0.95 - comm, "communication": comm,
+                  "checkpoint": 0.0, "other": 0.05}
+        return {"shares": shares, "step_ms": step_ms, "unprofiled_step_ms": step_ms / 1.1}
+
+    result = dataclasses.replace(_synthetic_result(1.05), diagnose_rate_gbit=0.1, diagnoses=(
+        {"sync_every_micro_step": diagnosed(0.90, 1000.0), "delayed_sync": diagnosed(0.70, 200.0)},
+        {"sync_every_micro_step": diagnosed(0.80, 1000.0), "delayed_sync": diagnosed(0.60, 200.0)}))
+    every, delayed = gradsync_diagnosis.diagnosed_modes(result)
+    assert (every.mode, delayed.mode) == ("sync_every_micro_step", "delayed_sync")
+    assert every.shares["communication"] == pytest.approx(0.85) and every.verdict.bottleneck == "communication"
+    assert every.link_ms == pytest.approx(850.0) and every.overhead == pytest.approx(1.1)
+    syncs = SMALL.accumulation   # the sizes' window sets the syncs a step of each mode pays
+    assert every.model_link_ms == pytest.approx(1e3 * syncs * 1.05 * GRADIENT_BYTES / (0.1 * GBIT))
+    assert delayed.model_link_ms == pytest.approx(every.model_link_ms / syncs)
+    assert delayed.link_over_model == pytest.approx(0.65 * 200.0 / delayed.model_link_ms)
+    assert gradsync_diagnosis.diagnosed_modes(_synthetic_result(1.05)) == (), "nothing diagnosed, nothing to show"
+
+
 def test_a_row_is_found_by_rate_and_mode_and_a_missing_one_names_the_rates_measured():
     result = _synthetic_result(1.05)
     assert result.row(0.1, "delayed_sync").all_reduce_calls_per_step == 1
