@@ -13,8 +13,9 @@ so and skips): per repeat and placement, measured step over the simulator's step
 and the all-reduce's effective rate over its slowest link's shaped rate, to set MODEL_BAND and
 EFFICIENCY_BAND from their spread. Stragglers (issue 36): per run, the threshold calibrated on a clean job,
 false alarms in a second clean job judged with it, and the steps until a slow rank is caught. torchrun
-against the supervisor: the same kill's fault-to-next-step time under each, for elastic.RESTART_BAND. Checkpoint intervals: per run, measured over
-modelled goodput at each of labkit.interval_runs' three intervals, for AGREEMENT_BAND, and which was best.
+against the supervisor: the same kill's fault-to-next-step time under each, for elastic.RESTART_BAND.
+Checkpoint intervals: per run, measured over modelled goodput at each of labkit.interval_runs' three
+intervals, for AGREEMENT_BAND, and which was best.
 Prints figures; asserts nothing about noise.
 """
 

@@ -215,15 +215,8 @@ def table(summary: dict) -> str:
                       f"{summary['overhead']:.2f}x their unprofiled time."])
 
 
-def write(summary: dict, out: Path) -> tuple[Path, Path]:
-    """``diagnosis.json`` and ``diagnosis.png`` (one stacked bar per rank, and their average)."""
-    from labkit import plots
-
-    json_path = out / "diagnosis.json"
-    json_path.write_text(json.dumps(summary, indent=1))
-    fig, (ax,) = plots.figure(width=7.5, height=3.2)
-    labels = [f"rank {r['rank']}" for r in summary["ranks"]] + ["all"]
-    rows = [r["shares"] for r in summary["ranks"]] + [summary["shares"]]
+def stacked_shares(ax, labels: list[str], rows: list[dict[str, float]]) -> None:
+    """One horizontal bar per row, its categories stacked in :data:`CATEGORIES` order, in % of step time."""
     left = [0.0] * len(rows)
     for category in CATEGORIES:
         widths = [100 * row[category] for row in rows]
@@ -232,6 +225,17 @@ def write(summary: dict, out: Path) -> tuple[Path, Path]:
     ax.set_xlabel("share of step time (%), measured")
     ax.set_xlim(0, 100)
     ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+
+
+def write(summary: dict, out: Path) -> tuple[Path, Path]:
+    """``diagnosis.json`` and ``diagnosis.png`` (one stacked bar per rank, and their average)."""
+    from labkit import plots
+
+    json_path = out / "diagnosis.json"
+    json_path.write_text(json.dumps(summary, indent=1))
+    fig, (ax,) = plots.figure(width=7.5, height=3.2)
+    labels = [f"rank {r['rank']}" for r in summary["ranks"]] + ["all"]
+    stacked_shares(ax, labels, [r["shares"] for r in summary["ranks"]] + [summary["shares"]])
     png_path = out / "diagnosis.png"
     fig.savefig(png_path, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt

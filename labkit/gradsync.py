@@ -184,7 +184,8 @@ def train_rank(
         if links is not None and rank == 0:
             set_link_rate(links, diagnose_rate_gbit)
         counter.link = None if links is not None else emulated_link(diagnose_rate_gbit)
-        steps = {mode: (lambda i, fn=fn: fn(ddp, optimizer, sizes.batches(rank, i, device))) for mode, fn in STEP_FNS.items()}
+        steps = {mode: (lambda i, fn=fn: fn(ddp, optimizer, sizes.batches(rank, i, device)))
+                 for mode, fn in STEP_FNS.items()}
         result["diagnoses"] = diagnose_modes(steps, Path(diagnose_dir), rank)
     if deepspeed_stages:
         from labkit.gradsync_deepspeed import deepspeed_counts

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from labkit.diagnosis_report import Verdict, verdict
+from labkit.diagnosis_report import Verdict, stacked_shares, verdict
 from labkit.gradsync_model import GradSyncResult, predicted_step_s, syncs_per_step
 from labkit.gradsync_links import two_node_topology
 
@@ -93,3 +93,21 @@ def diagnosed_modes(result: GradSyncResult) -> tuple[DiagnosedMode, ...]:
             overhead=sum(r["step_ms"] / r["unprofiled_step_ms"] for r in per_rank) / len(per_rank),
             model_link_ms=1e3 * model_s))
     return tuple(found)
+
+
+def plot_modes(diagnosed: tuple[DiagnosedMode, ...]):
+    """Each mode's step as the diagnosis split it, with the ring model's link time marked where the
+    communication segment would end if the profile found exactly the model's time."""
+    from labkit import plots
+    from labkit.gradsync_model import MODE_NAMES
+
+    fig, (ax,) = plots.figure(1, width=8, height=3.0)
+    labels = [f"{MODE_NAMES[d.mode]}\n{d.step_ms:.0f} ms a step" for d in diagnosed]
+    stacked_shares(ax, labels, [d.shares for d in diagnosed])
+    before = [100 * sum(d.shares[c] for c in ("data", "host_to_device", "compute")) for d in diagnosed]
+    ends = [b + 100 * d.model_link_ms / d.step_ms for b, d in zip(before, diagnosed)]
+    ax.scatter(ends, labels, marker="|", s=900, color="black", zorder=3, label="ring model's link time (modelled)")
+    ax.set_xlim(0, max(100.0, *ends) + 3)   # the model may put more on the link than the step held
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    ax.set_title(f"measured: each step split by labkit diagnose, {diagnosed[0].rate_gbit:g} Gbit/s link")
+    return fig

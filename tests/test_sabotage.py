@@ -61,7 +61,8 @@ class Sabotage:
 # with saves off the clock the shortest interval leads only by the work its failures redo, and four average that
 # poorly (with eight it led the middle by 0.06-0.09 in three runs, and the loops took 7.9-13.2 s, against 22.7-23.5 s
 # with twelve). Lab 5's crossover sabotage, which syncs every micro-batch, runs
-# windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Each trim alone leaves its failing cell passing (checked with
+# windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Lab 5's diagnosis
+# sabotage measures the one rate it diagnoses, 0.5 Gbit/s. Each trim alone leaves its failing cell passing (checked with
 # `python -m tests.test_sabotage --trims-only`), so the failure comes from the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
     import dataclasses
