@@ -171,9 +171,7 @@ def train_rank(
     result["same_update_max_diff"] = _update_difference(ddp, optimizer, micro_batches(rank, 0, 4, micro_batch, hidden, device))
     rows = []
     for rate_gbit in rates_gbit:
-        if links is not None and rank == 0:
-            set_link_rate(links, rate_gbit)
-        counter.link = None if links is not None else emulated_link(rate_gbit)
+        _use_rate(rate_gbit, links, counter, rank)
         for mode in MODES:
             rows.append({"rate_gbit": rate_gbit, "mode": mode, "accumulation": accumulation,
                          **_measure_mode(STEP_FNS[mode], ddp, optimizer, counter, sizes, device, rank, world_size)})
@@ -181,9 +179,7 @@ def train_rank(
     if diagnose_rate_gbit is not None:
         from labkit.gradsync_diagnosis import diagnose_modes
 
-        if links is not None and rank == 0:
-            set_link_rate(links, diagnose_rate_gbit)
-        counter.link = None if links is not None else emulated_link(diagnose_rate_gbit)
+        _use_rate(diagnose_rate_gbit, links, counter, rank)
         steps = {mode: (lambda i, fn=fn: fn(ddp, optimizer, sizes.batches(rank, i, device)))
                  for mode, fn in STEP_FNS.items()}
         result["diagnoses"] = diagnose_modes(steps, Path(diagnose_dir), rank)
@@ -196,6 +192,13 @@ def train_rank(
         result["deepspeed"] = deepspeed_counts(deepspeed_stages, deepspeed_accumulation, hidden, layers, micro_batch)
     result["wall_s"] = time.perf_counter() - started
     return result
+
+
+def _use_rate(rate_gbit: float, links: dict[str, Any] | None, counter: CommCounter, rank: int) -> None:
+    """The link at ``rate_gbit`` from here on: rank 0 reshapes the real links, or the counter sleeps the model's time."""
+    if links is not None and rank == 0:
+        set_link_rate(links, rate_gbit)
+    counter.link = None if links is not None else emulated_link(rate_gbit)
 
 
 def _single_device(sizes: GradSyncSizes, device: torch.device) -> dict[str, float]:

@@ -18,7 +18,10 @@ from labkit.gradsync_model import GradSyncResult, predicted_step_s, syncs_per_st
 from labkit.gradsync_links import two_node_topology
 
 DIAGNOSED_STEPS = 3
-"""Optimizer steps each mode is profiled for, after 2 unprofiled (the profiler's cost) and 1 warm-up."""
+"""Optimizer steps each mode is profiled for, after :data:`UNPROFILED_STEPS` and :data:`WARMUP_STEPS`."""
+UNPROFILED_STEPS = 2
+"""Steps timed without the profiler first: what the profiler itself costs (``Diagnosis.baseline_steps``)."""
+WARMUP_STEPS = 1
 
 LINK_TIME_BAND = (0.85, 1.15)
 """Communication the profile found per step, over the ring model's time for the same all-reduces: at
@@ -38,8 +41,9 @@ def diagnose_modes(step_fns: dict[str, Callable[[int], float]], out: Path, rank:
     found = {}
     for mode, step in step_fns.items():
         dist.barrier()
-        with Diagnosis(out / mode / f"rank{rank}", steps=DIAGNOSED_STEPS, warmup=1, baseline_steps=2) as probe:
-            for i in range(2 + 1 + DIAGNOSED_STEPS + 1):   # the last step closes the profiled window
+        with Diagnosis(out / mode / f"rank{rank}", steps=DIAGNOSED_STEPS, warmup=WARMUP_STEPS,
+                       baseline_steps=UNPROFILED_STEPS) as probe:
+            for i in range(UNPROFILED_STEPS + WARMUP_STEPS + DIAGNOSED_STEPS + 1):   # the last closes the window
                 step(i)
         result = probe.result
         found[mode] = {"shares": result.shares, "step_ms": result.step_ms,
