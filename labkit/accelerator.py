@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from labkit.devices import host_threads, time_ms
 from labkit.processes import die_with_parent, kill_group
+from labkit.step_attribution import ACCELERATOR_SPAN
 
 STARTUP_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 120.0
@@ -187,7 +188,15 @@ class CoreAccelerator:
         self.width, self.images_per_s = self._receive(STARTUP_TIMEOUT_S, "starting up")
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """Run one training step on the accelerator's core; return when it is done."""
+        """Run one training step on the accelerator's core; return when it is done.
+
+        A profiler sees the wait as :data:`~labkit.step_attribution.ACCELERATOR_SPAN`, so that
+        ``labkit diagnose`` counts it as compute: the model's ops run in the other process.
+        """
+        with torch.profiler.record_function(ACCELERATOR_SPAN):
+            self._step(images, labels)
+
+    def _step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         count = len(images)
         if not 0 < count <= self.batch_size:
             raise ValueError(f"a batch must hold 1 to {self.batch_size} images, got {count}")

@@ -5,14 +5,17 @@ the question of *your* job. :class:`Diagnosis` wraps a training loop (or, run as
 ``python -m labkit.diagnose SCRIPT.py ARGS`` under ``torchrun``, a whole script)
 and profiles it with ``torch.profiler``. Nothing in the script changes: steps
 are delimited by a global optimizer-step hook
-(``torch.optim.optimizer.register_optimizer_step_post_hook``), and the saves the
+(``torch.optim.optimizer.register_optimizer_step_post_hook``); a loop whose
+optimizer steps in another process (Lab 1's accelerator on a CPU-only machine)
+marks its steps with :meth:`Diagnosis.step` instead. The saves the
 tool knows are wrapped in named spans so that checkpoint time shows in the trace
 (nothing else labels it): ``torch.save``, ``os.fsync``, DCP's ``save``/``async_save``,
 and the course's own savers' ``save`` whole (:mod:`labkit.savers`).
 
 The first ``baseline_steps`` steps run unprofiled and are timed from the hook
 alone, so the profiler's own cost is measured, not assumed: ``overhead`` is the
-profiled step time over the unprofiled one. Then ``warmup`` steps let the
+profiled step time over the unprofiled one, each the mean of its steps (the
+first step, which starts whatever the loop starts, left out). Then ``warmup`` steps let the
 profiler settle and ``steps`` are recorded. In script mode the script is stopped
 right after (an exception raised from the hook, which the script does not
 catch, since it is a ``BaseException``), every rank at the same step, so no rank
@@ -62,7 +65,8 @@ class RankResult:
     step_ms: float
     unprofiled_step_ms: float
     memory_bound_share_of_compute: float
-    state_bytes: StateBytes
+    state_bytes: StateBytes | None
+    """None where the steps were marked by hand: no optimizer on this thread to read them from."""
     trace: str
 
     @property
@@ -74,7 +78,9 @@ def _rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> StateBytes:
+def _state_bytes(optimizer: torch.optim.Optimizer | None) -> StateBytes | None:
+    if optimizer is None:
+        return None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -86,11 +92,14 @@ class Diagnosis:
 
     ``stop_script=True`` (script mode) raises :class:`EnoughSteps` once they are
     recorded; otherwise later steps simply run unprofiled. ``result`` is filled
-    when the profiled steps end.
+    when the profiled steps end. With ``steps_from_optimizer=False`` no hook is
+    registered and the loop calls :meth:`step` at the end of each step, as it
+    would call ``torch.profiler.profile.step``.
     """
 
     def __init__(self, out: str | Path, *, steps: int = 10, warmup: int = 2, baseline_steps: int = 5,
-                 ridge_flop_per_byte: float = float("inf"), stop_script: bool = False):
+                 ridge_flop_per_byte: float = float("inf"), stop_script: bool = False,
+                 steps_from_optimizer: bool = True):
         for name, value, low in (("steps", steps, 1), ("warmup", warmup, 1), ("baseline_steps", baseline_steps, 2)):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -98,6 +107,7 @@ class Diagnosis:
         self.steps, self.warmup, self.baseline_steps = steps, warmup, baseline_steps
         self.ridge = ridge_flop_per_byte
         self.stop_script = stop_script
+        self.steps_from_optimizer = steps_from_optimizer
         self.result: RankResult | None = None
         self._marks: list[float] = []
         self._optimizer: torch.optim.Optimizer | None = None
@@ -105,13 +115,15 @@ class Diagnosis:
 
     def __enter__(self) -> Diagnosis:
         self.out.mkdir(parents=True, exist_ok=True)
+        _start_kineto_once()
         # The first step closes when the first optimizer step ends; "wait" covers the unprofiled timing steps.
         self._profiler = profile(activities=_activities(), record_shapes=True, with_flops=True,
                                  schedule=schedule(wait=self.baseline_steps, warmup=self.warmup,
                                                    active=self.steps, repeat=1),
                                  on_trace_ready=self._trace_ready)
         self._stack.enter_context(_checkpoint_spans())
-        self._stack.callback(register_optimizer_step_post_hook(self._on_step).remove)
+        if self.steps_from_optimizer:
+            self._stack.callback(register_optimizer_step_post_hook(self._on_step).remove)
         with _without_kineto_chatter():
             self._profiler.start()
         self._stack.callback(self._stop_profiler)
@@ -123,13 +135,13 @@ class Diagnosis:
         read over the same steps; a step ends at its optimizer step."""
         first = self.baseline_steps + self.warmup - 1
         if len(self._marks) < first + self.steps + 1:
-            raise RuntimeError(f"the profiled steps have not ended: {len(self._marks)} optimizer steps seen, "
+            raise RuntimeError(f"the profiled steps have not ended: {len(self._marks)} steps seen, "
                                f"{first + self.steps + 1} needed")
         return self._marks[first], self._marks[first + self.steps]
 
     @property
     def steps_seen(self) -> int:
-        """Optimizer steps the hook has seen so far."""
+        """Steps marked so far (by the optimizer hook or :meth:`step`)."""
         return len(self._marks)
 
     def __exit__(self, *exc: object) -> None:
@@ -139,10 +151,21 @@ class Diagnosis:
         with contextlib.suppress(Exception), _without_kineto_chatter():  # already stopped when its steps ended
             self._profiler.stop()
 
+    def step(self) -> None:
+        """End a training step, where no optimizer step on this thread marks it (``steps_from_optimizer=False``)."""
+        if self.steps_from_optimizer:
+            raise RuntimeError("this Diagnosis marks steps at each optimizer step; pass steps_from_optimizer=False "
+                               "to mark them with step()")
+        self._mark()
+
     def _on_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self.result is None:
+            self._optimizer = optimizer
+        self._mark()
+
+    def _mark(self) -> None:
         if self.result is not None:
             return
-        self._optimizer = optimizer
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._marks.append(time.perf_counter())
@@ -157,11 +180,31 @@ class Diagnosis:
         prof.export_chrome_trace(str(trace))
         breakdown = step_attribution.attribute_rank(json.loads(trace.read_text()), rank,
                                                     ridge_flop_per_byte=self.ridge)
-        gaps = [b - a for a, b in zip(self._marks, self._marks[1:])][: self.baseline_steps - 1]
+        # The mean of the unprofiled steps after the first, as the profiled step time is a mean: a loader whose
+        # workers deliver batches in pairs alternates short and long steps, and a median took the short ones.
+        unprofiled_s = (self._marks[self.baseline_steps - 1] - self._marks[0]) / (self.baseline_steps - 1)
         self.result = RankResult(rank, world, breakdown.shares(), breakdown.step_ms,
-                                 1e3 * sorted(gaps)[len(gaps) // 2], breakdown.memory_bound_share_of_compute,
+                                 1e3 * unprofiled_s, breakdown.memory_bound_share_of_compute,
                                  _state_bytes(self._optimizer), trace.name)
         (self.out / f"rank{rank}.json").write_text(json.dumps(asdict(self.result), indent=1))
+
+
+_kineto_started = False
+
+
+def _start_kineto_once() -> None:
+    """Record one empty trace, once per process, before the loop's first step.
+
+    The first trace a process records starts Kineto: 0.9 s here, spent inside whichever step the
+    profiler starts recording in. A loader's workers fill their prefetch queue meanwhile, and the first
+    profiled steps then find their batches waiting: Lab 1's file path read a data share of 0.54 beside
+    0.72-0.73 in the next two diagnoses in the same process.
+    """
+    global _kineto_started
+    if not _kineto_started:
+        with _without_kineto_chatter(), profile(activities=_activities()):
+            pass
+        _kineto_started = True
 
 
 @contextlib.contextmanager

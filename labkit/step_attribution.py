@@ -18,7 +18,8 @@ step.
 Only the trace's names are read, so the rules are listed here, in one place:
 on the CPU a collective is a ``gloo:*`` span on gloo's worker thread (it starts
 when the work runs and includes waiting for the slowest peer), and the training
-thread's ``c10d::*`` ops are its calls into the process group; on a GPU compute is
+thread's ``c10d::*`` ops are its calls into the process group, and a step that an
+accelerator process computes is the span :data:`ACCELERATOR_SPAN`; on a GPU compute is
 the kernels, a collective is an NCCL kernel, and a copy is a ``Memcpy HtoD``.
 """
 
@@ -31,6 +32,11 @@ from dataclasses import dataclass, field
 CATEGORIES = ("data", "host_to_device", "compute", "communication", "checkpoint", "other")
 CHECKPOINT_SPAN = "labkit.diagnose: checkpoint"
 """The name ``labkit.diagnose`` gives the spans it wraps around ``torch.save`` and DCP saves."""
+ACCELERATOR_SPAN = "labkit: accelerator step"
+"""The span around a step that an accelerator in another process computes (Lab 1's on a CPU-only machine,
+:class:`labkit.accelerator.CoreAccelerator`): the training thread waits in it as a GPU's host waits for
+its kernels, so on the CPU it counts as compute. The ops that process runs are not in this trace, so
+none of that time is split by the roofline."""
 
 Interval = tuple[float, float]
 
@@ -149,7 +155,8 @@ def attribute_rank(trace: dict, rank: int, *, ridge_flop_per_byte: float = math.
     else:
         pg_calls = _spans([e for e in on_main if e.get("cat") == "cpu_op" and _PROCESS_GROUP_CALL.match(e["name"])])
         compute_events = [e for e in on_main if e.get("cat") == "cpu_op" and not _PROCESS_GROUP_CALL.match(e["name"])]
-        compute = subtract(_spans(compute_events), pg_calls)
+        accelerator = _spans([e for e in on_main if e["name"] == ACCELERATOR_SPAN])
+        compute = union(subtract(_spans(compute_events), pg_calls) + accelerator)
         collectives = union(_spans([e for e in events if _COLLECTIVE.match(e["name"])]) + pg_calls)
         order = ("data", "checkpoint", "host_to_device", "compute", "communication")
     spans = {"data": data, "checkpoint": checkpoint, "compute": compute, "communication": collectives,

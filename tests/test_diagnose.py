@@ -99,6 +99,19 @@ def test_an_op_below_the_ridge_is_memory_bound_and_a_wrapper_without_flops_is_no
     assert rank.memory_bound_share_of_compute == pytest.approx(30 / 80)   # linear's own 10 + relu's 20
 
 
+def test_waiting_for_an_accelerator_in_another_process_is_compute_on_the_cpu():
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", 0, 60, cat="user_annotation"),
+        _x(sa.ACCELERATOR_SPAN, 60, 38, cat="user_annotation"),
+        _x("aten::copy_", 61, 2),                       # the batch into the accelerator's buffer
+    ]
+    step = sa.attribute_rank({"traceEvents": events}, 0).steps[0]
+    assert step.shares["data"] == pytest.approx(0.60) and step.shares["compute"] == pytest.approx(0.38)
+    assert step.shares["other"] == pytest.approx(0.02)
+    assert step.memory_bound_ms == pytest.approx(0.002), "only the copy on this thread is split by the roofline"
+
+
 def test_a_trace_without_steps_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="ProfilerStep spans on one thread, found them on 0"):
         sa.attribute_rank({"traceEvents": [_x("aten::mm", 0, 1)]}, 0)
@@ -238,11 +251,32 @@ def test_the_python_api_profiles_a_loop_in_this_process_and_lets_it_go_on(tmp_pa
     assert json.loads((tmp_path / "rank0.json").read_text())["trace"] == "trace-rank0.json"
 
 
+def test_a_loop_without_an_optimizer_marks_its_own_steps(tmp_path):
+    import time
+
+    import torch
+
+    from labkit.diagnose import Diagnosis
+
+    with pytest.raises(RuntimeError, match="steps_from_optimizer=False"):
+        Diagnosis(tmp_path / "hooked").step()
+    marked = 0
+    with Diagnosis(tmp_path, steps=2, warmup=1, baseline_steps=2, steps_from_optimizer=False) as probe:
+        for _ in range(8):
+            with torch.profiler.record_function(sa.ACCELERATOR_SPAN):
+                time.sleep(0.01)   # the accelerator's process computes; this thread waits
+            probe.step()
+            marked += 1
+    assert marked == 8 and probe.steps_seen == 5, "marks stop counting once the profiled steps are recorded"
+    assert max(probe.result.shares, key=probe.result.shares.get) == "compute"
+    assert probe.result.state_bytes is None, "no optimizer on this thread to read the state from"
+
+
 def test_the_profiled_window_is_asked_for_only_once_its_steps_have_ended(tmp_path):
     from labkit import diagnose
 
     probe = diagnose.Diagnosis(tmp_path, steps=2, warmup=1, baseline_steps=2)
-    with pytest.raises(RuntimeError, match="profiled steps have not ended: 0 optimizer steps seen, 5 needed"):
+    with pytest.raises(RuntimeError, match="profiled steps have not ended: 0 steps seen, 5 needed"):
         probe.profiled_window
     probe._marks = [1.0, 2.0, 3.0, 4.0, 5.0]
     assert probe.profiled_window == (3.0, 5.0), "steps 3 and 4, after 2 unprofiled and 1 warm-up"

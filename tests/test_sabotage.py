@@ -259,6 +259,28 @@ SABOTAGES = [
     """, fails_at="cell-15", says="training from it asks the store for nothing",
              needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-12", "cell-14"),
              trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN),
+    Sabotage("01_input_pipeline", "the diagnosis does not recognise a DataLoader's wait", """
+        import re
+        from labkit import step_attribution
+        step_attribution._DATA = re.compile(r"^no loader has this name$")
+    """, fails_at="diagnose-asserts-01", says="the file path waits for data",
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
+    Sabotage("01_input_pipeline", "the transformed cache's loader decodes the JPEGs again", """
+        from labkit import ladder_diagnosis
+        _feeds = ladder_diagnosis.feeds
+        ladder_diagnosis.feeds = lambda run, cache: {name: _feeds(run, cache)["files"] for name in _feeds(run, cache)}
+    """, fails_at="diagnose-asserts-01", says="the transformed cache cuts the data share",
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
+    Sabotage("01_input_pipeline", "the step meter leaves the loader's wait off its clock", """
+        import contextlib
+        from labkit import meter
+        @contextlib.contextmanager
+        def _untimed(self):
+            yield
+            self.wait_ms.append(0.0)
+        meter.StepMeter.waiting = _untimed
+    """, fails_at="diagnose-asserts-01", says="agrees with the step meter's waiting share",
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px
