@@ -52,7 +52,9 @@ class StandInAccelerator:
         self.images_per_s = images_per_s
 
     def step(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        time.sleep(len(images) / self.images_per_s)
+        """Sleep as long as the emulated step takes; a profiler sees the accelerator's step (compute)."""
+        with torch.profiler.record_function(ACCELERATOR_SPAN):
+            time.sleep(len(images) / self.images_per_s)
 
     def stolen_ms(self) -> float:
         """Nothing shares a sleep: 0."""

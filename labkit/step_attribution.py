@@ -33,10 +33,10 @@ CATEGORIES = ("data", "host_to_device", "compute", "communication", "checkpoint"
 CHECKPOINT_SPAN = "labkit.diagnose: checkpoint"
 """The name ``labkit.diagnose`` gives the spans it wraps around ``torch.save`` and DCP saves."""
 ACCELERATOR_SPAN = "labkit: accelerator step"
-"""The span around a step that an accelerator in another process computes (Lab 1's on a CPU-only machine,
-:class:`labkit.accelerator.CoreAccelerator`): the training thread waits in it as a GPU's host waits for
-its kernels, so on the CPU it counts as compute. The ops that process runs are not in this trace, so
-none of that time is split by the roofline."""
+"""The span around a step that an accelerator outside this thread computes (Lab 1's on a CPU-only machine:
+:class:`labkit.accelerator.CoreAccelerator`'s process, or the sleeping stand-in on one core): the training
+thread waits in it as a GPU's host waits for its kernels, so on the CPU it counts as compute. The ops
+that process runs are not in this trace, so none of that time is split by the roofline."""
 
 Interval = tuple[float, float]
 

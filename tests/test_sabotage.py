@@ -53,8 +53,8 @@ class Sabotage:
 # reads their request counts or busy fractions, not their rate (22 s -> 14 s for the raw cache that GETs
 # again). The worker sweep keeps its five rounds even when sabotaged: with one, the two
 # zero-worker loaders differed by chance enough to pass cell-23 once in CI. Where the failing cell reads GET counts or the store's rate,
-# not a busy fraction, the sleeping stand-in replaces the accelerator that is sized on its own core
-# (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
+# not a busy fraction, or the diagnosis's shares of the loader's wait, the sleeping stand-in replaces the
+# accelerator that is sized on its own core (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
 # and no 3 s wait to detect a hang (55-65 s -> 20 s, measured with a 5 s wait). Lab 8's interval sabotage that breaks the final weights gives
 # each loop four failures' work instead of twelve, and so does the one whose baseline saves too (its goodputs rise
 # with the baseline's saves, 1.31-1.36x in three runs with four failures); the one that breaks the ordering keeps eight, since
@@ -264,13 +264,13 @@ SABOTAGES = [
         from labkit import step_attribution
         step_attribution._DATA = re.compile(r"^no loader has this name$")
     """, fails_at="diagnose-asserts-01", says="the file path waits for data",
-             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01"), trim=TRIM_LAB1_STAND_IN),
     Sabotage("01_input_pipeline", "the transformed cache's loader decodes the JPEGs again", """
         from labkit import ladder_diagnosis
         _feeds = ladder_diagnosis.feeds
         ladder_diagnosis.feeds = lambda run, cache: {name: _feeds(run, cache)["files"] for name in _feeds(run, cache)}
     """, fails_at="diagnose-asserts-01", says="the transformed cache cuts the data share",
-             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01"), trim=TRIM_LAB1_STAND_IN),
     Sabotage("01_input_pipeline", "the step meter leaves the loader's wait off its clock", """
         import contextlib
         from labkit import meter
@@ -280,7 +280,7 @@ SABOTAGES = [
             self.wait_ms.append(0.0)
         meter.StepMeter.waiting = _untimed
     """, fails_at="diagnose-asserts-01", says="agrees with the step meter's waiting share",
-             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01")),
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "diagnose-01"), trim=TRIM_LAB1_STAND_IN),
     Sabotage("02_data_engine", "the tensor cache stores JPEG bytes and decodes them every step", """
         from labkit import dataengine, profile, representations
         _px = profile().pick(dataengine.SIZES).image_px
