@@ -62,8 +62,10 @@ class Sabotage:
 # poorly (with eight it led the middle by 0.06-0.09 in three runs, and the loops took 7.9-13.2 s, against 22.7-23.5 s
 # with twelve). Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Lab 5's diagnosis
-# sabotage measures the one rate it diagnoses, 0.5 Gbit/s. Each trim alone leaves its failing cell passing (checked with
-# `python -m tests.test_sabotage --trims-only`), so the failure comes from the sabotage, not the trim.
+# sabotage measures the one rate it diagnoses, 0.5 Gbit/s. Lab 3's eager multiply-add chain runs chains of 1, 2
+# and 4 only: all five, up to 16 multiply-adds, took 45 s eager, the three 6 s. Each trim alone leaves its
+# failing cell passing (checked with `python -m tests.test_sabotage --trims-only`), so the failure comes from
+# the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
     import dataclasses
     from labkit import ladder
@@ -89,6 +91,11 @@ TRIM_LAB2_SHORT_RACE = """
     dataengine.SIZES = {name: dataclasses.replace(size, race_images=256) for name, size in dataengine.SIZES.items()}
     _race = store_race.race
     store_race.race = lambda *args, **kwargs: _race(*args, **{**kwargs, "rounds": 1})
+"""
+TRIM_LAB3_SHORT_CHAINS = """
+    from labkit import fused_intensity
+    _measure = fused_intensity.measure
+    fused_intensity.measure = lambda *args, **kwargs: _measure(*args, **{**kwargs, "lengths": (1, 2, 4)})
 """
 TRIM_LAB4_NO_NVME = """
     import dataclasses
@@ -371,6 +378,17 @@ SABOTAGES = [
         microbench.transformer_ops = _allocating
     """, fails_at="0af13c21", says="streams at most of the memory roof",
              needs=('acb2cc6c', '2edeefe8', 'b3329a8a', '0ca551fd')),
+    Sabotage("03_memory_movement", "the multiply-add chain runs op by op", """
+        from labkit import fused_intensity
+        def _eager(k):
+            def chain(x, out):
+                out.copy_(x)
+                for _ in range(k):
+                    out.mul_(0.999).add_(0.001)   # each op a pass over memory
+            return chain
+        fused_intensity.compiled_chain = _eager
+    """, fails_at="slope-asserts-03", says="off the sloped part", needs=('acb2cc6c', '2edeefe8', 'slope-03'),
+             trim=TRIM_LAB3_SHORT_CHAINS),
     Sabotage("03_memory_movement", "the overlapped pipeline copies and computes in turn", """
         from labkit import overlap
         overlap.overlapped_pipeline = overlap.serial_pipeline
