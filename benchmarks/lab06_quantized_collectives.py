@@ -14,7 +14,7 @@ Where fabric.probe() says "emulated" the same run uses Lab 5's emulation and say
 Prints the load average beside the timings: four ranks share the cores. Exit status 1 when a
 target is missed. ``--repeats N`` reruns and prints the spread the notebook's band comes from.
 
-    python benchmarks/lab06_quantized_collectives.py [--rates 0.025 0.05 0.2] [--repeats 3] [--deepspeed]
+    python benchmarks/lab06_quantized_collectives.py [--rates 0.05 0.2 0.8] [--repeats 3] [--deepspeed]
 """
 
 from __future__ import annotations

@@ -63,22 +63,20 @@ class FabricSizes:
 
 
 # The sizes set compute beside the link: a 0.5M-parameter MLP whose small micro-batch (4) leaves the step to
-# the link and whose big one (2048) gives it compute of the order of ZeRO-3's link time at the middle rate, so
-# ZeRO++'s gain shrinks with the micro-batch (zeropp_speedup.MICRO_BATCH_FLOOR). Before, micro-batches 4 and
-# 256 of a 2.1M-parameter MLP changed the step 1.1-1.5x and ZeRO++'s gain barely moved (2.74x against 2.88x).
-# Rates below 0.1 Gbit/s keep the link time near a second with 4x fewer bytes, and the lab's time near what it
-# was (labkit run 6: 87-93 s here, 92 s before; the fabric cell 49 s, as before).
+# the link and whose big one (4096) gives it more compute than ZeRO-3's link time at the middle rate (link/compute
+# 0.50-0.59 at 0.2 Gbit/s), so ZeRO++'s gain shrinks with the micro-batch (zeropp_speedup.MICRO_BATCH_FLOOR).
+# Before, micro-batch 2048 at 0.025/0.05/0.2 Gbit/s left link/compute at about 4 at the middle rate: the model's
+# small-over-big ratio was 1.33-1.46x, under the floor, and a quiet box measured 1.45-1.81x (3 of 6 runs of the
+# lab failed, 2026-12-06). 0.025 Gbit/s also held ZeRO-3's step to the band worst (1.02-1.25x the model in those
+# 6 runs, 0.99-1.13x at 0.05): the slowest rate is now 0.05, and the fabric cell takes 12-14 s instead of 19-20 s.
 # ci trains 10 steps: the loss after 10 steps is 0.34x the first (asserted < 0.5x), ZeRO++ 0.66% from ZeRO-3.
-# ci times the median of 3 steps at the small micro-batch and of 2 at the big one (a big step costs 1-2 s): with
-# 2 steps each the unshaped small step (the model's compute) once came out 181/386 ms against 55-160 ms in
-# other runs, under load 4-6. ZeRO-3 on the slowest link came to 0.83-1.16x the model over 15 runs at load
-# 3-6.6 (0.94-1.16x in the 5 with 3 steps): the same bytes at the same rate took 1.03-1.25 s from step to
-# step, and twice, at load 5.3-5.6, the median sat above the band (1.16x); at 0.0125 Gbit/s it was no better
-# (0.98-1.21x in 3 runs).
+# ci times the median of 3 steps at the small micro-batch and of 2 at the big one (a big step costs 1-2 s under
+# load): with 2 steps each the unshaped small step (the model's compute) once came out 181/386 ms against
+# 55-160 ms in other runs, under load 4-6.
 SIZES = {
-    "ci": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 2048), rates_gbit=(0.025, 0.05, 0.2),
+    "ci": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 4096), rates_gbit=(0.05, 0.2, 0.8),
                       timed_steps=3, train_steps=10, big_timed_steps=2),
-    "gpu": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 2048), rates_gbit=(0.025, 0.05, 0.2),
+    "gpu": FabricSizes(dims=(256, 512, 512, 256), micro_batches=(4, 4096), rates_gbit=(0.05, 0.2, 0.8),
                        timed_steps=5, train_steps=40),
     "multi-gpu": FabricSizes(dims=(1024, 2048, 2048, 1024), micro_batches=(8, 1024), rates_gbit=(0.1, 1.0, 4.0),
                              timed_steps=5, train_steps=60),
