@@ -43,7 +43,8 @@ def test_bad_input_is_refused():
 
 
 def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
-    """The peak probe maps every large allocation on its own; timed there, steps also paid page faults."""
+    """The peak probe maps every large allocation on its own; timed there, steps also paid page faults. The time
+    probe keeps freed blocks for the next step (no page faults that come and go with glibc's mmap threshold)."""
     calls = []
 
     def fake_run(argv, env, **kwargs):
@@ -58,6 +59,6 @@ def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
     envs = dict(calls)
     assert set(envs) == {"peaks", "times"}
     assert envs["peaks"]["MALLOC_MMAP_THRESHOLD_"] == "65536"
-    assert "MALLOC_MMAP_THRESHOLD_" not in envs["times"]
+    assert int(envs["times"]["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30 and int(envs["times"]["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
     assert envs["peaks"]["OMP_NUM_THREADS"] == envs["times"]["OMP_NUM_THREADS"] == "1"
 
