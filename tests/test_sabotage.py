@@ -715,19 +715,8 @@ def _kernel_zygote_stopped_at_the_end():
     close_zygote()
 
 
-ALONE_LABS = ("03_memory_movement",)
-"""Labs whose sabotages run alone (marked ``alone``, see conftest.py): Lab 3 measures memory bandwidth, which
-both cores share, so a test running beside it moves its roof. Run two at a time, its sabotage that times ops
-with a fresh output every call once failed on an op over a roof measured low, not on the assert it breaks
-(one of five runs of the first part); the other labs' sabotages passed in all five."""
-
-
-def _marked(sabotage: Sabotage):
-    return pytest.param(sabotage, marks=pytest.mark.alone) if sabotage.notebook in ALONE_LABS else sabotage
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("sabotage", [_marked(s) for s in SABOTAGES], ids=lambda s: f"{s.notebook[:2]}-{s.name}")
+@pytest.mark.parametrize("sabotage", SABOTAGES, ids=lambda s: f"{s.notebook[:2]}-{s.name}")
 def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
     code = _first_cell(sabotage.code, sabotage.trim)
     failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code),
