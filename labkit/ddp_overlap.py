@@ -43,7 +43,7 @@ from labkit.gradsync_workload import make_model, param_bytes
 
 # Batch 1024 makes backward (about 50-55 ms here, alone) as long as most of the 1 Gbit/s all-reduce (67 ms
 # modelled), so small buckets can hide most of it: their wait came to 0.14-0.17 of one bucket's (modelled
-# 0.28-0.36) in three runs. With batch 256 backward took 13-15 ms alone, the model itself left small buckets
+# 0.31-0.39) in ten runs of Lab 5. With batch 256 backward took 13-15 ms alone, the model itself left small buckets
 # 0.81-0.84 of one bucket's wait, measured 0.64-0.71, and Lab 5 failed EXPOSED_SHARE_LIMIT (0.7) once in ten
 # quiet runs; it had passed on a busy box, where backward ran slower.
 SIZES = {
