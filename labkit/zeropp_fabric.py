@@ -64,7 +64,8 @@ class FabricSizes:
 
 # The sizes set compute beside the link: a 0.5M-parameter MLP whose small micro-batch (4) leaves the step to
 # the link and whose big one (4096) gives it more compute than ZeRO-3's link time at the middle rate (link/compute
-# 0.50-0.59 at 0.2 Gbit/s), so ZeRO++'s gain shrinks with the micro-batch (zeropp_speedup.MICRO_BATCH_FLOOR).
+# 0.50-0.59 at 0.2 Gbit/s, about 2.2 at 0.05), so ZeRO++'s gain shrinks with the micro-batch; the lab reads that at
+# the slowest rate, where the steps are least noisy (zeropp_speedup.MICRO_BATCH_FLOOR).
 # Before, micro-batch 2048 at 0.025/0.05/0.2 Gbit/s left link/compute at about 4 at the middle rate: the model's
 # small-over-big ratio was 1.33-1.46x, under the floor, and a quiet box measured 1.45-1.81x (3 of 6 runs of the
 # lab failed, 2026-12-06). 0.025 Gbit/s also held ZeRO-3's step to the band worst (1.02-1.25x the model in those

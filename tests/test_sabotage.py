@@ -147,10 +147,10 @@ TRIM_LAB6_BYTES_ONLY = """
                                                      micro_batches=size.micro_batches[:1], timed_steps=1, train_steps=1)
                            for name, size in zeropp_fabric.SIZES.items()}
 """
-TRIM_LAB6_MIDDLE_RATE = """
+TRIM_LAB6_SLOWEST_RATE = """
     import dataclasses
     from labkit import zeropp_fabric
-    zeropp_fabric.SIZES = {name: dataclasses.replace(size, rates_gbit=(size.rates_gbit[len(size.rates_gbit) // 2],),
+    zeropp_fabric.SIZES = {name: dataclasses.replace(size, rates_gbit=(min(size.rates_gbit),),
                                                      train_steps=1)
                            for name, size in zeropp_fabric.SIZES.items()}
 """
@@ -485,7 +485,7 @@ SABOTAGES = [
         _batch = zeropp.batch
         zeropp.batch = lambda dims, teacher, size, seed: _batch(dims, teacher, min(size, 4), seed)
     """, fails_at="microbatch-06", says="must shrink with a bigger micro-batch",
-             needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_MIDDLE_RATE),
+             needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_SLOWEST_RATE),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
         from labkit import savers
         _save = savers.AsyncSaver.save

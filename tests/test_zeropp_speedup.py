@@ -35,10 +35,10 @@ def _result(slow_big_zero3: float = 1.0) -> zeropp_model.FabricResult:
 
 def test_a_bigger_micro_batch_shrinks_zeropps_gain_at_the_same_rate():
     effect = zeropp_speedup.micro_batch_effect(_result())
-    assert effect.rate_gbit == 1.0 and (effect.small, effect.big) == (4, 2048)
-    assert effect.speedup_small == pytest.approx(1100 / 350)
-    assert effect.speedup_big == pytest.approx(2100 / 1350)
-    assert effect.link_over_compute_small == pytest.approx(10.0) and effect.link_over_compute_big == pytest.approx(1000 / 1100)
+    assert effect.rate_gbit == 0.5 and (effect.small, effect.big) == (4, 2048)   # the slowest rate
+    assert effect.speedup_small == pytest.approx(2100 / 550)
+    assert effect.speedup_big == pytest.approx(3100 / 1550)
+    assert effect.link_over_compute_small == pytest.approx(20.0) and effect.link_over_compute_big == pytest.approx(2000 / 1100)
     assert effect.ratio == pytest.approx(effect.model_ratio) and effect.ratio > zeropp_speedup.MICRO_BATCH_FLOOR
     assert "small over big" in effect.describe()
     assert "its gain at the small micro-batch" in " ".join(zeropp_speedup.micro_batch_sentences(effect))
@@ -46,7 +46,7 @@ def test_a_bigger_micro_batch_shrinks_zeropps_gain_at_the_same_rate():
 
 def test_the_measured_ratio_moves_apart_from_the_model_when_the_big_steps_do():
     effect = zeropp_speedup.micro_batch_effect(_result(slow_big_zero3=2.0))
-    assert effect.speedup_big == pytest.approx(2 * 2100 / 1350)
+    assert effect.speedup_big == pytest.approx(2 * 3100 / 1550)
     assert effect.ratio < effect.model_ratio
 
 
