@@ -138,13 +138,15 @@ def _check_link(link_gbit: float, nproc: int) -> None:
 
 
 def _torchrun(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, log_dir: Path) -> list[str]:
+    """torchrun's command line: on one node ``--standalone``, whose agent binds a free port itself and keeps
+    it (two diagnoses at once never meet in one store); across a fabric's nodes, rank 0's node hosts it."""
     from labkit.fabric import MASTER_PORT
-    from labkit.launcher import free_port
 
-    port = free_port() if nnodes == 1 else MASTER_PORT
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-            "--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--master-addr", master_addr,
-            "--master-port", str(port), "--log-dir", str(log_dir), "--redirects", "3"]
+    rendezvous = (["--standalone"] if nnodes == 1 else
+                  ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr,
+                   "--master-port", str(MASTER_PORT)])
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc_per_node),
+            "--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3"]
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -86,10 +85,23 @@ def rank_device():
     return torch.device(rank_info().device)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+"""What tells ``torch.distributed``'s ``env://`` rendezvous in every rank to join the launcher's store as a client."""
+
+
+def rendezvous_store(timeout_s: float) -> Any:
+    """The ranks' ``TCPStore``, held by the launcher as ``torchrun``'s agent holds it (see ``AGENT_STORE_ENV``).
+
+    It binds port 0 and keeps the port: a port chosen free and released for rank 0 to bind later could be
+    taken in between by another launch's store, and then two launches' ranks meet in one store (gloo's
+    full mesh fails with "connection closed by peer"), which two test runs or notebooks at once did hit.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _function_ref(fn: Callable[..., Any]) -> str:
@@ -239,7 +251,8 @@ def launch(
     _check_launch(world_size, backend, timeout_s, fabric)
     ref = _function_ref(fn)
     dsops.use_environment_extensions_dir()
-    port = free_port()
+    # a fabric's ranks meet inside its own namespaces, on a port no other fabric shares
+    store = rendezvous_store(timeout_s) if fabric is None else None
     remove_stale_dirs()
     log_dir = Path(tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-"))
     ctx = fork_server_context()
@@ -247,7 +260,7 @@ def launch(
     keep_logs = False
     try:
         for rank in range(world_size):
-            rank_env = _rank_env(rank, world_size, port, backend, timeout_s, fabric, env)
+            rank_env = _rank_env(rank, world_size, store, backend, timeout_s, fabric, env)
             proc, parent_conn, log_path = _start_rank(ctx, ref, rank, rank_env, kwargs, init_process_group, log_dir)
             procs.append(proc)
             conns.append(parent_conn)
@@ -261,6 +274,7 @@ def launch(
         _stop_ranks(procs, conns)
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
+        del store   # closes its port now: a traceback kept by the notebook would otherwise keep it listening
     return results
 
 
@@ -276,14 +290,14 @@ def _check_launch(world_size: int, backend: str, timeout_s: float, fabric: Any) 
 
 
 def _rank_env(
-    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fabric: Any, env: dict[str, str] | None
+    rank: int, world_size: int, store: Any, backend: str, timeout_s: float, fabric: Any, env: dict[str, str] | None
 ) -> dict[str, str]:
     """The caller's whole environment as it is now (a fork server's children would otherwise see the server's),
-    then the variables ``torch.distributed`` reads (the ones ``torchrun`` would set), the fabric's and ``env``."""
+    then the variables ``torch.distributed`` reads (the ones ``torchrun`` would set), the fabric's and ``env``.
+    Without a fabric the ranks join ``store``, the launcher's; a fabric's rank 0 hosts the store."""
     return {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        **({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), **AGENT_STORE_ENV} if store is not None else {}),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),

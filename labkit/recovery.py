@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from labkit import triage
 from labkit.heartbeat import HeartbeatWatch, exit_verdict, read_new, silence_verdict
 from labkit.stragglers import StragglerRule
-from labkit.launcher import check_backend
+from labkit.launcher import check_backend, rendezvous_store
 from labkit.profiles import require_at_least
 from labkit.recovery_launch import (check_devices_for_nodes, kill_rank, launch_attempt, leftover_processes,
                                     refill_standby)
@@ -70,6 +70,9 @@ SIZES = {
     "gpu": RecoverySizes(steps=80, features=128, hidden=256, batch_size=1024, checkpoint_every=10),
     "multi-gpu": RecoverySizes(steps=80, features=128, hidden=256, batch_size=1024, checkpoint_every=10),
 }
+
+STORE_TIMEOUT_S = 600.0
+"""How long the supervisor's store waits on a key; the ranks' own timeout is ``LABKIT_TIMEOUT_S``."""
 
 
 class RecoveryError(RuntimeError):
@@ -123,13 +126,15 @@ def supervise(
     run_id = uuid.uuid4().hex
     report = RunReport(run_path, world_size, plan, [], [], [], time.time(), 0.0)
     all_procs: list[subprocess.Popen] = []
+    store = rendezvous_store(STORE_TIMEOUT_S)   # every attempt's ranks meet here, each under its own prefix
     try:
         _run_attempts(report, run_id, all_procs, spares=spares, max_restarts=max_restarts,
                       heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
                       straggler=straggler, poll_s=poll_s, warm_standby=warm_standby, progress=progress,
-                      backend=backend, train_kwargs=train_kwargs)
+                      backend=backend, train_kwargs=train_kwargs, store_port=store.port)
     finally:
         _end_run(report, all_procs, run_id)
+        del store   # closes its port now, even while a traceback keeps this frame
     return report
 
 
@@ -170,7 +175,7 @@ def fresh_run_dir(run_path: Path) -> Path:
 def _run_attempts(
     report: RunReport, run_id: str, all_procs: list[subprocess.Popen], *, spares: int, max_restarts: int,
     heartbeat_timeout_s: float, startup_timeout_s: float, straggler: StragglerRule, poll_s: float,
-    warm_standby: bool, progress: Any, backend: str, train_kwargs: dict[str, Any],
+    warm_standby: bool, progress: Any, backend: str, train_kwargs: dict[str, Any], store_port: int,
 ) -> None:
     """Launch, watch, and on each failure cordon the node and move its rank to a spare, until a clean finish.
 
@@ -184,7 +189,7 @@ def _run_attempts(
     judge = triage.RetryJudge()
     for attempt in range(max_restarts + 1):
         procs = launch_attempt(run_path, run_id, attempt, assignment, nodes, report.faults, train_kwargs,
-                                warm if warm_standby else None, backend)
+                                warm if warm_standby else None, backend, store_port)
         all_procs += procs
         report.attempts.append(Attempt(attempt, tuple(nodes[n] for n in assignment), time.time(),
                                        tuple(p.pid for p in procs)))

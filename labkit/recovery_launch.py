@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
-from labkit.launcher import free_port
+from labkit.launcher import AGENT_STORE_ENV
 from labkit.processes import killpg
 from labkit.fault_plan import Fault
 from labkit.recovery_rank import RESTART_VAR, RUN_ID_VAR, TORCHELASTIC_RESTART_VAR
@@ -96,21 +96,21 @@ def check_devices_for_nodes(backend: str, nodes: int) -> None:
 
 def launch_attempt(
     run_path: Path, run_id: str, attempt: int, assignment: list[int], nodes: list[str],
-    plan: list[Fault], train_kwargs: dict, warm: deque | None, backend: str,
+    plan: list[Fault], train_kwargs: dict, warm: deque | None, backend: str, store_port: int,
 ) -> list[subprocess.Popen]:
-    """Start (cold) or hand orders to (warm) one process per rank, with torchrun's variables."""
+    """Start (cold) or hand orders to (warm) one process per rank, with torchrun's variables; the ranks join
+    the supervisor's store on ``store_port`` (:func:`labkit.launcher.rendezvous_store`), as under torchrun."""
     from labkit import dsops
 
     dsops.use_environment_extensions_dir()
     attempt_dir = run_path / f"attempt-{attempt:03d}"
     attempt_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     kwargs = {**train_kwargs, "run_dir": str(run_path), "faults": [asdict(f) for f in plan]}
     world_size = len(assignment)
     procs = []
     for rank, node in enumerate(assignment):
         rank_env = {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port), **AGENT_STORE_ENV,
             "RANK": str(rank), "LOCAL_RANK": str(node_local_rank(node)),
             "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
             "LABKIT_BACKEND": backend,

@@ -55,6 +55,14 @@ def env_rank(name: str) -> tuple[str | None, str]:
     return os.environ.get(name), os.getcwd()
 
 
+def store_is_listening_rank() -> bool:
+    """Whether the store at MASTER_ADDR:MASTER_PORT already listens, in a rank that started no group."""
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))) == 0
+
+
 def hand_buckets_rank(order: str) -> dict:
     """Hand-made buckets average the gradients like one all-reduce per tensor; returns when each bucket launched."""
     from labkit.ddp_overlap import HandBuckets

@@ -1,5 +1,6 @@
 """Real ranks: results in order, failures loud, hangs bounded, nothing left behind."""
 
+import concurrent.futures
 import os
 import time
 
@@ -15,6 +16,18 @@ def test_ranks_run_a_real_all_reduce_with_one_thread_each():
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == 3.0 for r in results)
     assert all(r["threads"] == 1 for r in results)
+
+
+def test_the_launcher_holds_the_ranks_store_before_any_rank_starts():
+    # a port chosen free, released, and bound later by rank 0 could be taken in between by another launch
+    assert launch(rankfns.store_is_listening_rank, 2, init_process_group=False, timeout_s=120) == [True, True]
+
+
+def test_two_launches_at_once_each_meet_their_own_ranks():
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(launch, rankfns.allreduce_rank, 2, value=float(v), timeout_s=120) for v in range(1, 7)]
+        sums = [[r["sum"] for r in run.result()] for run in runs]
+    assert sums == [[3.0 * v] * 2 for v in range(1, 7)]
 
 
 def test_a_failing_rank_is_reraised_with_its_traceback():

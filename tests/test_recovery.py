@@ -468,7 +468,7 @@ def test_a_spare_gets_the_gpu_of_the_slot_it_takes_not_the_failed_ranks(monkeypa
     monkeypatch.setattr(rc.subprocess, "Popen", FakePopen)
     nodes = [f"node{i}" for i in range(4)]
     assignment = [0, 2]      # rank 1's node1 was cordoned; the spare node2 took its place
-    recovery_launch.launch_attempt(tmp_path, "run-id", 1, assignment, nodes, [], {}, None, "nccl")
+    recovery_launch.launch_attempt(tmp_path, "run-id", 1, assignment, nodes, [], {}, None, "nccl", 29500)
     assert [(env["RANK"], env["LABKIT_NODE"], env["LOCAL_RANK"]) for env in started] == [
         ("0", "node0", "0"), ("1", "node2", "2")]
 
