@@ -1,5 +1,20 @@
-"""The test suite runs every exercise with its reference answer (see labkit.exercises)."""
+"""The test suite runs every exercise with its reference answer (see labkit.exercises).
+
+Tests marked ``alone`` time something on this machine against a model or an ordering, or read state
+the whole machine shares (its network namespaces): they run by themselves, after the rest has run two
+at a time (the README's test command). Every notebook is one of them: a lab's asserts compare what it
+measured, so a lab runs with the machine to itself, as a learner's would.
+"""
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("LABKIT_SOLUTIONS", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).suffix == ".ipynb":
+            item.add_marker(pytest.mark.alone)

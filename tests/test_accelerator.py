@@ -161,6 +161,7 @@ def _burn(core: int, on_core) -> None:
 @needs_two_cores
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"),
                     reason="the kernel keeps no run-queue times (schedstat) here")
+@pytest.mark.alone  # it starts the other program itself
 def test_time_another_program_holds_the_accelerators_core_is_measured_as_stolen():
     """A program on the accelerator's core makes its steps longer; the kernel's count says by how much."""
     import multiprocessing

@@ -108,6 +108,7 @@ def test_expected_requests_is_n_over_rows_per_group():
         representations.expected_requests(10, 0)
 
 
+@pytest.mark.alone  # an ordering of two timings
 def test_tensor_cache_beats_decode_per_step(selected, stores):
     _, _, cache = stores
 

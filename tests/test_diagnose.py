@@ -179,6 +179,7 @@ def test_a_script_that_never_steps_times_out_naming_the_optimizer_and_leaves_not
     assert not _leftovers(before)
 
 
+@pytest.mark.alone  # shares of a step's time
 @pytest.mark.slow
 def test_two_ranks_of_a_starving_loader_are_diagnosed_data_bound_from_the_command_line(tmp_path):
     out = tmp_path / "diag"
@@ -202,6 +203,7 @@ def test_a_shaped_link_needs_a_rate_and_two_ranks(tmp_path, link_gbit, nproc, sa
         diagnosis_report.launch(SCRIPT, [], out=tmp_path, nproc=nproc, link_gbit=link_gbit)
 
 
+@pytest.mark.alone  # a band around the ring model's time
 @pytest.mark.slow
 def test_on_a_slow_shaped_link_the_step_waits_for_the_gradient_as_long_as_the_ring_model_says(tmp_path):
     from labkit import fabric

@@ -11,6 +11,8 @@ from labkit import fabric, netns
 from labkit.launcher import launch
 from labkit.topology import GBIT, Topology, link_bytes_model, predicted_s
 
+# Whole-machine state (`ip netns list`, every link) compared before and after, and link times: alone.
+pytestmark = pytest.mark.alone
 CAPABILITY = fabric.probe()
 needs_namespaces = pytest.mark.skipif(
     CAPABILITY.mode != "namespaces", reason=f"no real links on this machine: {CAPABILITY.reason}"

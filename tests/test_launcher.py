@@ -11,6 +11,23 @@ from labkit.processes import running
 from tests import rankfns
 
 
+@pytest.fixture()
+def short_tmp():
+    """A temp dir short enough for a fork server's socket: pytest-xdist's ``tmp_path`` is not.
+
+    Under ``tmp_path`` in a worker (``.../popen-gw0/<test name>0``) a socket path would pass
+    ``AF_UNIX_PATH_MAX``, so :func:`labkit.processes.multiprocessing_base_dir` falls back to
+    /tmp, where other programs' folders are: the test would read theirs.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="lkt-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_ranks_run_a_real_all_reduce_with_one_thread_each():
     results = launch(rankfns.allreduce_rank, 2, value=1.0, timeout_s=120)
     assert [r["rank"] for r in results] == [0, 1]
@@ -133,18 +150,18 @@ def test_a_rank_dies_with_its_parent(tmp_path):
     assert not [pid for pid in pids if running(pid)]
 
 
-def test_log_and_fork_server_folders_of_dead_launchers_are_swept_up(tmp_path, monkeypatch):
+def test_log_and_fork_server_folders_of_dead_launchers_are_swept_up(short_tmp, monkeypatch):
     import subprocess
     import tempfile
 
     from labkit.launcher import LOG_DIR_PREFIX, remove_stale_dirs
     from labkit.processes import MP_DIR_PREFIX
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = [tmp_path / f"{LOG_DIR_PREFIX}{dead.pid}-abc", tmp_path / f"{MP_DIR_PREFIX}{dead.pid}-abc"]
-    mine = [tmp_path / f"{LOG_DIR_PREFIX}{os.getpid()}-def", tmp_path / f"{MP_DIR_PREFIX}{os.getpid()}-def"]
+    stale = [short_tmp / f"{LOG_DIR_PREFIX}{dead.pid}-abc", short_tmp / f"{MP_DIR_PREFIX}{dead.pid}-abc"]
+    mine = [short_tmp / f"{LOG_DIR_PREFIX}{os.getpid()}-def", short_tmp / f"{MP_DIR_PREFIX}{os.getpid()}-def"]
     for folder in stale + mine:
         folder.mkdir()
     assert sorted(remove_stale_dirs()) == sorted(stale)
@@ -161,7 +178,7 @@ os.kill(os.getpid(), 9)
 """
 
 
-def test_a_killed_launchers_fork_server_folder_is_named_for_it_and_swept(tmp_path, monkeypatch):
+def test_a_killed_launchers_fork_server_folder_is_named_for_it_and_swept(short_tmp, monkeypatch):
     import subprocess
     import sys
     import tempfile
@@ -172,11 +189,11 @@ def test_a_killed_launchers_fork_server_folder_is_named_for_it_and_swept(tmp_pat
 
     # A kernel stopped by SIGKILL runs no exit hook: multiprocessing's own pymp-* folder stayed for good.
     done = subprocess.run([sys.executable, "-c", KILLED_LAUNCHER], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(tmp_path)})
+                          cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(short_tmp)})
     folder = Path(done.stdout.strip())
-    assert folder.name.startswith(MP_DIR_PREFIX) and folder.parent == tmp_path, done.stdout + done.stderr[-3000:]
+    assert folder.name.startswith(MP_DIR_PREFIX) and folder.parent == short_tmp, done.stdout + done.stderr[-3000:]
     assert folder.exists(), "SIGKILL leaves the folder behind"
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     assert folder in remove_stale_dirs()
     assert not folder.exists()
 

@@ -312,6 +312,7 @@ def test_the_cores_another_program_holds_are_measured(spinner):
     assert busy >= 0.7, f"a process spinning on a core: {busy:.2f} cores busy"
 
 
+@pytest.mark.alone  # it starts the busy program itself
 @pytest.mark.slow
 def test_lab1s_aside_beside_a_busy_program_says_so_instead_of_failing(spinner):
     """Run beside a spinning process, Lab 1's aside failed "...yet it trains slower than from RAM"."""
