@@ -44,6 +44,9 @@ class Sabotage:
     trim: str = ""
     """Code run after ``code`` (which must patch before anything imports what it breaks) that shrinks work
     the failing cell does not read (see the TRIM_* notes)."""
+    counts_only: bool = False
+    """True where the failing assert, and every assert the run meets before it, compares counts, bytes or
+    digests, never a time or a rate: such a sabotage runs beside other tests even in a lab whose others run alone."""
 
 
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
@@ -165,7 +168,7 @@ SABOTAGES = [
             return worker is not None and worker.id == 0
         loaders.flip_decision = _flip_by_worker
     """, fails_at="cell-28", says="do not depend on the worker count",
-             needs=('cell-01', 'cell-05', 'cell-27')),
+             needs=('cell-01', 'cell-05', 'cell-27'), counts_only=True),
     Sabotage("01_input_pipeline", "the transformed cache decodes the JPEGs again every epoch", """
         from labkit import ladder
         _build = ladder.Ladder.transformed_cache
@@ -179,7 +182,7 @@ SABOTAGES = [
         from labkit import pagecache
         pagecache.drop = lambda path: True
     """, fails_at="cell-17b", says="each epoch reads the cache file from the disk",
-             needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN),
+             needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN, counts_only=True),
     Sabotage("01_input_pipeline", "the columnar Parquet reader converts row by row", """
         from labkit import arrow_conversion
         arrow_conversion.CONVERSIONS["columnar"] = arrow_conversion.rowwise
@@ -265,7 +268,7 @@ SABOTAGES = [
         loaders.RawCache.__call__ = lambda self, index: self.fetch(index)
     """, fails_at="cell-15", says="training from it asks the store for nothing",
              needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-12", "cell-14"),
-             trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN),
+             trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN, counts_only=True),
     Sabotage("01_input_pipeline", "the diagnosis does not recognise a DataLoader's wait", """
         import re
         from labkit import step_attribution
@@ -716,28 +719,51 @@ def _kernel_zygote_stopped_at_the_end():
 
 
 ALONE_LABS = ("01_input_pipeline", "03_memory_movement")
-"""Labs whose sabotages run alone (marked ``alone``, see conftest.py), as their notebooks do. Lab 1 sizes its
-stand-in accelerator on a core of its own and compares rungs by images/s, and Lab 3 measures memory
-bandwidth, which both cores share: a test beside either moves what they compare. Run two at a time, Lab 3's
-sabotage that times ops with a fresh output every call once failed on an op over a roof measured low (one of
-five runs), and two of Lab 1's passed an assert they break (one run); the other labs' sabotages compare
-bytes, or times on links shaped far slower than the cores, and passed in all six runs."""
+"""Labs whose sabotages run alone (marked ``alone``, see conftest.py), as their notebooks do, unless they are
+``counts_only``. Lab 1 sizes its stand-in accelerator on a core of its own and compares rungs by images/s,
+and Lab 3 measures memory bandwidth, which both cores share: a test beside either moves what they compare.
+Run two at a time, Lab 3's sabotage that times ops with a fresh output every call once failed on an op over
+a roof measured low (one of five runs), and two of Lab 1's passed an assert they break (one run)."""
 
 
 def _marked(sabotage: Sabotage):
-    return pytest.param(sabotage, marks=pytest.mark.alone) if sabotage.notebook in ALONE_LABS else sabotage
+    alone = sabotage.notebook in ALONE_LABS and not sabotage.counts_only
+    return pytest.param(sabotage, marks=pytest.mark.alone) if alone else sabotage
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sabotage", [_marked(s) for s in SABOTAGES], ids=lambda s: f"{s.notebook[:2]}-{s.name}")
-def test_a_broken_mechanism_fails_the_labs_own_assert(sabotage: Sabotage, tmp_path):
+def check(sabotage: Sabotage, folder: Path) -> None:
+    """Run the sabotaged lab up to its failing cell: that cell, and no earlier one, fails on the named assert."""
     code = _first_cell(sabotage.code, sabotage.trim)
-    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(tmp_path, code),
+    failed_cell, error = run_until(sabotage.notebook, code, sabotage.fails_at, _sitecustomize(folder, code),
                                    sabotage.needs)
     assert failed_cell is not None, f"{sabotage.name}: every cell up to {sabotage.fails_at} passed"
     assert failed_cell == sabotage.fails_at, f"{sabotage.name}: cell {failed_cell} failed first:\n{error[-1500:]}"
     assert "AssertionError" in error, error[-1500:]
     assert sabotage.says in _failing_assert(error), f"another assert failed:\n{error[-1500:]}"
+
+
+def _lab_sabotages(lab: str) -> type:
+    """The test class of one lab's sabotages.
+
+    One class per lab: ``pytest -n 2 --dist loadscope`` keeps a class on one worker, so two sabotages of
+    one lab never run at once. They share the lab's working folder under ``LABKIT_DATA`` (Lab 7 starts
+    ``lab07`` afresh, Lab 8's runs wipe theirs): run side by side, a Lab 7 sabotage once read a checkpoint
+    another had just removed (HTTP 404 from its store). Different labs' sabotages may run side by side.
+    """
+
+    class LabSabotages:
+        @pytest.mark.slow
+        @pytest.mark.parametrize("sabotage", [_marked(s) for s in SABOTAGES if s.notebook.startswith(lab)],
+                                 ids=lambda s: f"{s.notebook[:2]}-{s.name}")
+        def test_a_broken_mechanism_fails_the_labs_own_assert(self, sabotage: Sabotage, tmp_path):
+            check(sabotage, tmp_path)
+
+    LabSabotages.__name__ = LabSabotages.__qualname__ = f"TestLab{lab}"
+    return LabSabotages
+
+
+TestLab01, TestLab02, TestLab03, TestLab04, TestLab05, TestLab06, TestLab07, TestLab08 = (
+    _lab_sabotages(f"{number:02d}") for number in range(1, 9))
 
 
 def _first_cell(*parts: str) -> str:
