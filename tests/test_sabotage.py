@@ -44,9 +44,10 @@ class Sabotage:
     trim: str = ""
     """Code run after ``code`` (which must patch before anything imports what it breaks) that shrinks work
     the failing cell does not read (see the TRIM_* notes)."""
-    counts_only: bool = False
-    """True where the failing assert, and every assert the run meets before it, compares counts, bytes or
-    digests, never a time or a rate: such a sabotage runs beside other tests even in a lab whose others run alone."""
+    alone: bool | None = None
+    """Whether it runs by itself (marked ``alone``); None: as its lab's others do (:data:`ALONE_LABS`). False
+    where the failing assert, and every assert the run meets before it, compares counts, bytes or digests,
+    never a time or a rate; True where what it runs sizes itself from a time (Lab 8's interval experiment)."""
 
 
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
@@ -168,7 +169,7 @@ SABOTAGES = [
             return worker is not None and worker.id == 0
         loaders.flip_decision = _flip_by_worker
     """, fails_at="cell-28", says="do not depend on the worker count",
-             needs=('cell-01', 'cell-05', 'cell-27'), counts_only=True),
+             needs=('cell-01', 'cell-05', 'cell-27'), alone=False),
     Sabotage("01_input_pipeline", "the transformed cache decodes the JPEGs again every epoch", """
         from labkit import ladder
         _build = ladder.Ladder.transformed_cache
@@ -182,7 +183,7 @@ SABOTAGES = [
         from labkit import pagecache
         pagecache.drop = lambda path: True
     """, fails_at="cell-17b", says="each epoch reads the cache file from the disk",
-             needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN, counts_only=True),
+             needs=("cell-01", "cell-05", "cell-03", "cell-17"), trim=TRIM_LAB1_STAND_IN, alone=False),
     Sabotage("01_input_pipeline", "the columnar Parquet reader converts row by row", """
         from labkit import arrow_conversion
         arrow_conversion.CONVERSIONS["columnar"] = arrow_conversion.rowwise
@@ -268,7 +269,7 @@ SABOTAGES = [
         loaders.RawCache.__call__ = lambda self, index: self.fetch(index)
     """, fails_at="cell-15", says="training from it asks the store for nothing",
              needs=("cell-01", "cell-05", "cell-03", "cell-10", "cell-12", "cell-14"),
-             trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN, counts_only=True),
+             trim=TRIM_LAB1_SHORT_LATENCY + TRIM_LAB1_STAND_IN, alone=False),
     Sabotage("01_input_pipeline", "the diagnosis does not recognise a DataLoader's wait", """
         import re
         from labkit import step_attribution
@@ -578,13 +579,13 @@ SABOTAGES = [
 
         interval_runs._Loop.advance = advance
     """, fails_at="interval-order-08", says="goodput peaks at the middle interval",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=8)),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=8), alone=True),
     Sabotage("08_recovery_and_placement", "useful work timed on a baseline that saves too", """
         from labkit import interval_runs
         _init = interval_runs._Loop.__init__
         interval_runs._Loop.__init__ = lambda self, sizes, interval_s, *rest: _init(self, sizes, interval_s or 0.005, *rest)
     """, fails_at="interval-asserts-08", says="measured goodput within",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4)),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4), alone=True),
     Sabotage("08_recovery_and_placement", "a reload that restores the model but not the optimizer's moments", """
         from labkit import interval_runs
         _load = interval_runs._Trainer.load
@@ -596,7 +597,7 @@ SABOTAGES = [
 
         interval_runs._Trainer.load = staticmethod(load)
     """, fails_at="interval-asserts-08", says="every loop ended on the same weights",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4)),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4), alone=True),
     Sabotage("08_recovery_and_placement", "torchrun without restarts", """
         from labkit import elastic
         _run_torchrun = elastic.run_torchrun
@@ -719,15 +720,18 @@ def _kernel_zygote_stopped_at_the_end():
 
 
 ALONE_LABS = ("01_input_pipeline", "03_memory_movement")
-"""Labs whose sabotages run alone (marked ``alone``, see conftest.py), as their notebooks do, unless they are
-``counts_only``. Lab 1 sizes its stand-in accelerator on a core of its own and compares rungs by images/s,
-and Lab 3 measures memory bandwidth, which both cores share: a test beside either moves what they compare.
-Run two at a time, Lab 3's sabotage that times ops with a fresh output every call once failed on an op over
-a roof measured low (one of five runs), and two of Lab 1's passed an assert they break (one run)."""
+"""Labs whose sabotages run alone (marked ``alone``, see conftest.py), as their notebooks do, unless a
+sabotage says otherwise (``Sabotage.alone``). Lab 1 sizes its stand-in accelerator on a core of its own and
+compares rungs by images/s, and Lab 3 measures memory bandwidth, which both cores share: a test beside either
+moves what they compare. Run two at a time, Lab 3's sabotage that times ops with a fresh output every call
+once failed on an op over a roof measured low (one of five runs), and two of Lab 1's passed an assert they
+break (one run). Lab 8's interval experiment sets its failure rate, and so its length, from a save timed
+before the runs: beside other tests its sabotage whose loops' clocks leave out their saves took 11-67 s in
+ten runs of the first part (13-18 s in three runs alone)."""
 
 
 def _marked(sabotage: Sabotage):
-    alone = sabotage.notebook in ALONE_LABS and not sabotage.counts_only
+    alone = sabotage.notebook in ALONE_LABS if sabotage.alone is None else sabotage.alone
     return pytest.param(sabotage, marks=pytest.mark.alone) if alone else sabotage
 
 
@@ -742,28 +746,30 @@ def check(sabotage: Sabotage, folder: Path) -> None:
     assert sabotage.says in _failing_assert(error), f"another assert failed:\n{error[-1500:]}"
 
 
-def _lab_sabotages(lab: str) -> type:
-    """The test class of one lab's sabotages.
+def _sabotage_class(name: str, labs: tuple[str, ...]) -> type:
+    """The test class of the sabotages of ``labs`` (notebook prefixes).
 
     One class per lab: ``pytest -n 2 --dist loadscope`` keeps a class on one worker, so two sabotages of
     one lab never run at once. They share the lab's working folder under ``LABKIT_DATA`` (Lab 7 starts
     ``lab07`` afresh, Lab 8's runs wipe theirs): run side by side, a Lab 7 sabotage once read a checkpoint
-    another had just removed (HTTP 404 from its store). Different labs' sabotages may run side by side.
+    another had just removed (HTTP 404 from its store). Labs 7 and 8 share a class, the first to start:
+    both time fsynced saves.
     """
 
-    class LabSabotages:
+    class Sabotages:
         @pytest.mark.slow
-        @pytest.mark.parametrize("sabotage", [_marked(s) for s in SABOTAGES if s.notebook.startswith(lab)],
+        @pytest.mark.parametrize("sabotage", [_marked(s) for s in SABOTAGES if s.notebook.startswith(labs)],
                                  ids=lambda s: f"{s.notebook[:2]}-{s.name}")
         def test_a_broken_mechanism_fails_the_labs_own_assert(self, sabotage: Sabotage, tmp_path):
             check(sabotage, tmp_path)
 
-    LabSabotages.__name__ = LabSabotages.__qualname__ = f"TestLab{lab}"
-    return LabSabotages
+    Sabotages.__name__ = Sabotages.__qualname__ = name
+    return Sabotages
 
 
-TestLab01, TestLab02, TestLab03, TestLab04, TestLab05, TestLab06, TestLab07, TestLab08 = (
-    _lab_sabotages(f"{number:02d}") for number in range(1, 9))
+TestLabs07And08 = _sabotage_class("TestLabs07And08", ("07", "08"))
+TestLab01, TestLab02, TestLab03, TestLab04, TestLab05, TestLab06 = (
+    _sabotage_class(f"TestLab{number:02d}", (f"{number:02d}",)) for number in range(1, 7))
 
 
 def _first_cell(*parts: str) -> str:
