@@ -94,7 +94,7 @@ def rendezvous_store(timeout_s: float) -> Any:
 
     It binds port 0 and keeps the port: a port chosen free and released for rank 0 to bind later could be
     taken in between by another launch's store, and then two launches' ranks meet in one store (gloo's
-    full mesh fails with "connection closed by peer"), which two test runs or notebooks at once did hit.
+    full mesh fails with "connection closed by peer"), as two tests run at once did.
     """
     import datetime
 
