@@ -9,9 +9,19 @@ measured, so a lab runs with the machine to itself, as a learner's would.
 import os
 from pathlib import Path
 
+import nbval.kernel
 import pytest
 
+from tests.forked_kernels import ForkedSyncKernelManager, close_zygote
+
 os.environ.setdefault("LABKIT_SOLUTIONS", "1")
+# nbval's kernels are forks of a process that has imported torch already, as the sabotages' are
+# (tests/forked_kernels.py): about a second less per notebook.
+nbval.kernel.KernelManager = ForkedSyncKernelManager
+
+
+def pytest_sessionfinish() -> None:
+    close_zygote()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,8 +1,10 @@
-"""Kernels forked from a process that has already imported torch: the sabotage tests start 47 kernels.
+"""Kernels forked from a process that has already imported torch, for every sabotage test and every notebook.
 
 Each sabotage runs part of a notebook in a fresh kernel, and a fresh kernel spent about 1.9 s
 starting Python, ipykernel, torch, NumPy and PyArrow before its first cell (measured with
-nbclient on a one-cell notebook): 47 of them cost the suite about 90 s. Here one *zygote*
+nbclient on a one-cell notebook): the 47 sabotages of the time cost the suite about 90 s. nbval's
+notebooks start theirs the same way (four one-cell notebooks that import torch and labkit: 8.05 s
+under nbval with fresh kernels, 4.93 s forked). Here one *zygote*
 process imports those once, and each kernel is a ``fork()`` of it, started by a jupyter_client
 provisioner that asks the zygote instead of running ``python -m ipykernel_launcher``.
 
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning import LocalProvisioner
 
 PRELOAD = ("torch", "numpy", "pyarrow", "PIL.Image", "ipykernel.kernelapp")
@@ -201,8 +203,8 @@ class ForkedProvisioner(LocalProvisioner):
         return self.connection_info
 
 
-class ForkedKernelManager(AsyncKernelManager):
-    """A kernel manager whose kernels are forks of the zygote (pass it to NotebookClient).
+class _Forked:
+    """Kernels that are forks of the zygote.
 
     jupyter_client picks a provisioner from the kernel spec only when none is set yet, so setting
     ours first is the one hook needed; everything else (ports, connection file, shutdown) is its own.
@@ -213,6 +215,14 @@ class ForkedKernelManager(AsyncKernelManager):
             self.kernel_id = self.kernel_id or kw.pop("kernel_id", None) or os.urandom(16).hex()
             self.provisioner = ForkedProvisioner(kernel_id=self.kernel_id, kernel_spec=self.kernel_spec, parent=self)
         return await super()._async_pre_start_kernel(**kw)
+
+
+class ForkedKernelManager(_Forked, AsyncKernelManager):
+    """For nbclient's NotebookClient (the sabotage tests)."""
+
+
+class ForkedSyncKernelManager(_Forked, KernelManager):
+    """For nbval, which starts a notebook's kernel with the blocking manager (see the root conftest.py)."""
 
 
 if __name__ == "__main__":
