@@ -13,11 +13,15 @@ the next build waits forever).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from labkit.atomic import atomic_file
 
 ENV_VAR = "TORCH_EXTENSIONS_DIR"
 COMM_OP = "ShareMemCommBuilder"
@@ -47,18 +51,58 @@ def use_environment_extensions_dir() -> Path:
 
 
 def cache_cpu_info() -> None:
-    """Make py-cpuinfo's ``get_cpu_info`` answer from memory after its first call in this process.
+    """Make py-cpuinfo's ``get_cpu_info`` answer from memory after its first call in this process, and
+    from a file in the environment's ops folder (:func:`cpu_info_file`) for every later process on this CPU.
 
     DeepSpeed asks it every time it makes a CPU Adam (one per engine: five per rank in Lab 4) and
     when it checks an op, and each call probes the CPU again in a child process: 1.15 s on the
-    2-core CI box, most of a Lab 4 rank's start-up. The CPU does not change while a process runs.
+    2-core CI box, most of a Lab 4 rank's start-up. The CPU does not change while a process runs,
+    nor between processes on one machine; the file is named for the CPU it describes, so a folder
+    carried to another machine probes again there. Written atomically: a probe killed half-way
+    leaves no file, and the next process probes again.
     """
     try:
         import cpuinfo
     except ImportError:  # no DeepSpeed, no py-cpuinfo: nothing asks
         return
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    if hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        return
+    probe = cpuinfo.get_cpu_info
+
+    @functools.cache
+    def get_cpu_info() -> dict:
+        path = cpu_info_file()
+        if path is not None:
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass
+        info = probe()
+        if path is not None:
+            try:
+                with atomic_file(path) as tmp:
+                    tmp.write_text(json.dumps(info))
+            except OSError:   # a read-only folder: the probe's answer still serves this process
+                pass
+        return info
+
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "isa", "cpu model",
+               "CPU implementer", "CPU part", "Features")
+
+
+def cpu_info_file() -> Path | None:
+    """Where this CPU's py-cpuinfo answer is kept: the ops folder, named for the CPU (None without /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = sorted({line.strip() for line in f if line.split(":", 1)[0].strip() in _CPU_FIELDS})
+    except OSError:
+        return None
+    key = hashlib.sha256("\n".join([*lines, str(os.cpu_count())]).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get(ENV_VAR) or Path(sys.prefix) / "torch_extensions")
+    return folder / f"cpuinfo-{key}.json"
 
 
 def lock_holders(lock_path: Path) -> list[int]:

@@ -331,11 +331,25 @@ def test_a_temporary_folder_is_removed_when_its_program_is_stopped(tmp_path, sto
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cpu_info_is_probed_once_per_process(monkeypatch):
+def test_cpu_info_is_probed_once_per_cpu_and_kept_in_the_ops_folder(monkeypatch, tmp_path):
     cpuinfo = pytest.importorskip("cpuinfo")
+    monkeypatch.setenv(dsops.ENV_VAR, str(tmp_path))
     probes = []
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: probes.append(1) or {"vendor_id_raw": "x"})
-    dsops.cache_cpu_info()
+
+    def install(answer: str) -> None:   # what a new process does: the probe, then labkit's cache around it
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: probes.append(answer) or {"vendor_id_raw": answer})
+        dsops.cache_cpu_info()
+
+    install("x")
     dsops.cache_cpu_info()   # a second install must not wrap the cache again
     assert cpuinfo.get_cpu_info() is cpuinfo.get_cpu_info()
-    assert len(probes) == 1
+    assert probes == ["x"]
+    assert [p.name for p in tmp_path.iterdir()] == [dsops.cpu_info_file().name]
+    install("y")   # a later process on this CPU reads the file
+    assert cpuinfo.get_cpu_info() == {"vendor_id_raw": "x"} and probes == ["x"]
+    dsops.cpu_info_file().write_text("{torn")   # a damaged file: probe again
+    install("z")
+    assert cpuinfo.get_cpu_info() == {"vendor_id_raw": "z"} and probes == ["x", "z"]
+    monkeypatch.setattr(dsops, "cpu_info_file", lambda: tmp_path / "cpuinfo-another-cpu.json")
+    install("w")   # another CPU: its own file
+    assert cpuinfo.get_cpu_info() == {"vendor_id_raw": "w"} and probes == ["x", "z", "w"]
