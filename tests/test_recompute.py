@@ -38,6 +38,8 @@ def test_bad_input_is_refused():
         recompute.modelled_peak_bytes(SMALL, "keep half")
     with pytest.raises(ValueError, match="device must be 'cpu' or a CUDA device"):
         recompute.measure(SMALL, device="tpu")
+    with pytest.raises(ValueError, match="device must be 'cpu' or a CUDA device"):
+        recompute.measure_peaks(SMALL, device="tpu")
     with pytest.raises(ValueError, match="blocks"):
         recompute.RecomputeSize(blocks=0, width=8, tokens=16, repeats=1)
 
@@ -60,5 +62,8 @@ def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
     assert set(envs) == {"peaks", "times"}
     assert envs["peaks"]["MALLOC_MMAP_THRESHOLD_"] == "65536"
     assert int(envs["times"]["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30 and int(envs["times"]["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
+    calls.clear()
+    assert recompute.measure_peaks(SMALL) == {kind: 1 for kind in recompute.KINDS}
+    assert [part for part, _ in calls] == ["peaks"]   # Exercise 4.2's measurement: the peak probe alone
     assert envs["peaks"]["OMP_NUM_THREADS"] == envs["times"]["OMP_NUM_THREADS"] == "1"
 

@@ -38,6 +38,6 @@ def checkpointed_peak_bytes(size: recompute.RecomputeSize, prediction, *, device
                 f"of activations in flight and the kernels' temporaries.")
 
     return predict("4.2", prediction, what=f"the bytes one checkpointed step of the {size.blocks}-block stack adds at its peak",
-                   measure=lambda: recompute.measure(size, device=device).peak_bytes[kept],
+                   measure=lambda: recompute.measure_peaks(size, device=device)[kept],
                    context=(size.blocks, size.width, size.tokens, size.num_params),
                    tolerance=0.15, unit="bytes", explain=explain)
