@@ -76,11 +76,13 @@ STORE_TIMEOUT_S = 600.0
 
 
 class RecoveryError(RuntimeError):
-    """The run cannot go on; ``rank_traceback`` is the failing rank's, where it reported one."""
+    """The run cannot go on; ``rank_traceback`` is the failing rank's, where it reported one, and ``report``
+    what the run measured up to there (its detections among it), where the supervisor had started it."""
 
-    def __init__(self, message: str, rank_traceback: str | None = None):
+    def __init__(self, message: str, rank_traceback: str | None = None, report: RunReport | None = None):
         super().__init__(message)
         self.rank_traceback = rank_traceback
+        self.report = report
 
 
 def supervise(
@@ -132,6 +134,9 @@ def supervise(
                       heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
                       straggler=straggler, poll_s=poll_s, warm_standby=warm_standby, progress=progress,
                       backend=backend, train_kwargs=train_kwargs, store_port=store.port)
+    except RecoveryError as stopped:
+        stopped.report = report
+        raise
     finally:
         _end_run(report, all_procs, run_id)
         del store   # closes its port now, even while a traceback keeps this frame

@@ -267,6 +267,8 @@ def test_hang_without_a_spare_fails_loudly_and_leaves_no_process(tmp_path):
         rc.supervise(tmp_path / "run", world_size=2, spares=0, faults=[fault_plan.Fault("hang", 0, 6)],
                      heartbeat_timeout_s=2.0, **TINY)
     assert "hang" in str(info.value) and "node0" in str(info.value)
+    (detection,) = info.value.report.detections   # what the run measured travels with the error
+    assert (detection.cause, detection.fault_id) == ("hang", "hang-rank0-step6") and detection.t_detect > detection.t_fault
     pids = []
     for log in (tmp_path / "run").glob("attempt-*/rank*.jsonl"):
         pids += [json.loads(line)["pid"] for line in log.read_text().splitlines() if '"ready"' in line]
