@@ -120,6 +120,34 @@ def test_kernels_listen_on_no_tcp_port_and_forked_children_still_print(tmp_path)
         shutil.rmtree(client.kernel_dir, ignore_errors=True)
 
 
+def test_a_kernel_that_started_a_fork_server_exits_when_asked_instead_of_being_killed(tmp_path):
+    """ipykernel stops its children at shutdown; the resource tracker ignores SIGTERM and a stopped fork server
+    stays a zombie, so the kernel kept waiting until jupyter_client sent it SIGTERM (labkit/course/kernel.py)."""
+    import shutil
+
+    import nbformat
+
+    from labkit.course.runner import _execute, _ProgressClient
+
+    managers = []
+
+    class Client(_ProgressClient):
+        def create_kernel_manager(self):
+            managers.append(super().create_kernel_manager())
+            return managers[-1]
+
+    cell = "import multiprocessing as mp\np = mp.get_context('forkserver').Process(target=int); p.start(); p.join()"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    client = Client(nb, bar=type("Bar", (), {"update": lambda self, n: None})(), timeout=60, kernel_name="python3",
+                    resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        assert _execute(client) == ""
+        # jupyter_client's record of how the kernel ended: asked, or SIGTERM/SIGKILL after 2.5 s each
+        assert managers[0]._shutdown_status.name == "ShutdownRequest", managers[0]._shutdown_status
+    finally:
+        shutil.rmtree(client.kernel_dir, ignore_errors=True)
+
+
 def test_out_dir_is_made_absolute_because_kernels_run_in_notebooks(tmp_path, monkeypatch):
     from pathlib import Path
 
