@@ -157,13 +157,17 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def calibrate(sizes: IntervalSizes, folder: Path) -> Costs:
-    """A median step, save and reload before the runs: they set the MTBF and the intervals."""
+    """A median step and reload, and the fastest of seven saves, before the runs: the save sets the MTBF and
+    the intervals, and so the experiment's length (it runs about ``failures`` MTBFs per loop). Noise only
+    slows a save: in ten runs of Lab 8 each, the median of seven set an MTBF of 0.20-0.48 s (0.22-0.26 s in
+    six), the fastest 0.17-0.41 s (0.17-0.21 s in eight), and the loops measured the model's goodput as
+    closely (0.97-1.07x)."""
     trainer = _Trainer(sizes)
     for position in range(5):
         trainer.step(position)
     step_s = statistics.median(_timed(lambda: trainer.step(0)) for _ in range(30))
     path = folder / "calibration.pt"
-    save_s = statistics.median(_timed(lambda: trainer.save(path, 0)) for _ in range(7))
+    save_s = min(_timed(lambda: trainer.save(path, 0)) for _ in range(7))
     reload_s = statistics.median(_timed(lambda: _Trainer.load(sizes, path)) for _ in range(5))
     optimum_s = 2 * save_s * sizes.mtbf_over_optimum   # sqrt(2 C M) with M = k sqrt(2 C M)
     return Costs(step_s, save_s, reload_s, mtbf_s=sizes.mtbf_over_optimum * optimum_s)
