@@ -67,7 +67,10 @@ class Sabotage:
 # with twelve). Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Lab 5's diagnosis
 # sabotage measures the one rate it diagnoses, 0.5 Gbit/s. Lab 3's eager multiply-add chain runs chains of 1, 2
-# and 4 only: all five, up to 16 multiply-adds, took 45 s eager, the three 6 s. Each trim alone leaves its
+# and 4 only: all five, up to 16 multiply-adds, took 45 s eager, the three 6 s. Lab 7's diagnosis sabotages profile
+# three steps of an eight-step loop, not eight of thirteen: the failing cell compares the profile's checkpoint
+# share with the loop's own clock over the same steps: trimmed, the sabotages made it 0.00 and 1.00 against the
+# loop's 0.79 and 0.78 (5.8 s a run instead of 8.0). Each trim alone leaves its
 # failing cell passing (checked with `python -m tests.test_sabotage --trims-only`), so the failure comes from
 # the sabotage, not the trim.
 TRIM_LAB1_SHORT_LATENCY = """
@@ -143,6 +146,12 @@ TRIM_LAB8_FAILURES = """
     import dataclasses
     from labkit import interval_runs
     interval_runs.SIZES = {{name: dataclasses.replace(size, failures={failures}) for name, size in interval_runs.SIZES.items()}}
+"""
+TRIM_LAB7_SHORT_DIAGNOSIS = """
+    from labkit import checkpoint_stalls, diagnose
+    _diagnosis, _train = diagnose.Diagnosis.__init__, checkpoint_stalls.train_with_checkpoints
+    diagnose.Diagnosis.__init__ = lambda self, out, **kwargs: _diagnosis(self, out, **{**kwargs, "steps": 3})
+    checkpoint_stalls.train_with_checkpoints = lambda *args, **kwargs: _train(*args, **{**kwargs, "steps": 8})
 """
 TRIM_LAB6_BYTES_ONLY = """
     import dataclasses
@@ -541,12 +550,12 @@ SABOTAGES = [
         from labkit import diagnose
         diagnose._checkpoint_spans = contextlib.nullcontext
     """, fails_at="diagnose-asserts-07", says="the profile's checkpoint share agrees with the loop's clock",
-             needs=('09780d08', 'diagnose-07')),
+             needs=('09780d08', 'diagnose-07'), trim=TRIM_LAB7_SHORT_DIAGNOSIS),
     Sabotage("07_checkpoints_and_fusion", "the diagnosis labels every step as checkpoint", """
         from labkit import step_attribution
         step_attribution.CHECKPOINT_SPAN = ""
     """, fails_at="diagnose-asserts-07", says="the profile's checkpoint share agrees with the loop's clock",
-             needs=('09780d08', 'diagnose-07')),
+             needs=('09780d08', 'diagnose-07'), trim=TRIM_LAB7_SHORT_DIAGNOSIS),
     Sabotage("07_checkpoints_and_fusion", "a resume that restarts at step 0", """
         from labkit import checkpoint
         checkpoint.restore_training_state = lambda state, model, optimizer: 0
