@@ -159,9 +159,9 @@ def _timed(fn: Callable[[], object]) -> float:
 def calibrate(sizes: IntervalSizes, folder: Path) -> Costs:
     """A median step and reload, and the fastest of seven saves, before the runs: the save sets the MTBF and
     the intervals, and so the experiment's length (it runs about ``failures`` MTBFs per loop). Noise only
-    slows a save: in ten runs of Lab 8 each, the median of seven set an MTBF of 0.20-0.48 s (0.22-0.26 s in
-    six), the fastest 0.17-0.41 s (0.17-0.21 s in eight), and the loops measured the model's goodput as
-    closely (0.97-1.07x)."""
+    slows a save: in ten runs of Lab 8 the median of seven set an MTBF of 0.20-0.48 s (0.20-0.26 s in seven),
+    in twenty the fastest 0.17-0.53 s (0.17-0.21 s in fifteen; above that the disk's fsyncs were slow for the
+    whole run), and the loops measured the model's goodput as closely (0.97-1.07x)."""
     trainer = _Trainer(sizes)
     for position in range(5):
         trainer.step(position)
