@@ -79,10 +79,10 @@ class RecoveryError(RuntimeError):
     """The run cannot go on; ``rank_traceback`` is the failing rank's, where it reported one, and ``report``
     what the run measured up to there (its detections among it), where the supervisor had started it."""
 
-    def __init__(self, message: str, rank_traceback: str | None = None, report: RunReport | None = None):
+    def __init__(self, message: str, rank_traceback: str | None = None):
         super().__init__(message)
         self.rank_traceback = rank_traceback
-        self.report = report
+        self.report: RunReport | None = None   # set by supervise() as the error leaves it
 
 
 def supervise(
