@@ -47,6 +47,20 @@ class IntensitySweep:
         reached = [p.cost.intensity for p in self.points if p.flops_per_s >= share * self.peak_flops_per_s]
         return min(reached, default=float("inf"))
 
+    def earliest_crossover(self, share: float = 0.5) -> float:
+        """The lowest intensity at which the roofline lets any kernel reach ``share`` of the compute peak.
+
+        Bare, that is ``share`` of the ridge. A point below the ridge may beat the
+        memory roof by the reads STREAM's count leaves out and the noise
+        (:meth:`over_memory_roof`'s allowance), so it may get there that much
+        earlier: the skinny matmul at intensity 4, a third of this box's ridge
+        of 10.6-11.5, reached 0.40-0.49 of the peak in five sweeps of the ``ci``
+        profile, and a CI run saw it pass 0.5.
+        """
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        return share * self.ridge / (WRITE_ALLOCATE_ALLOWANCE * (1 + MEASUREMENT_TOLERANCE))
+
     def climb(self) -> float:
         """Achieved FLOP/s of the most intense point over the least intense one."""
         return self.points[-1].flops_per_s / self.points[0].flops_per_s

@@ -96,6 +96,9 @@ def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_
     assert sweep.ridge == 10
     assert sweep.crossover_intensity() == 100      # 1e7, 1e8, 1e9 FLOP/s: only the last reaches 5e8
     assert sweep.climb() == pytest.approx(100)
+    assert sweep.earliest_crossover() == pytest.approx(5 / 1.65)  # half the ridge, less write-allocate and noise
+    early = intensity_sweep.IntensitySweep([point(4, 10 / 1.4), point(100, 100.0)], 1e9, 1e8)  # 1.4x the roof at 4
+    assert early.over_memory_roof() == [] and early.earliest_crossover() <= early.crossover_intensity() == 4
     assert sweep.over_memory_roof() == []
     beater = point(1, 1.0)                         # 1e9 FLOP/s at intensity 1: 10x the memory roof
     assert intensity_sweep.IntensitySweep([beater], 1e9, 1e8).over_memory_roof() == [beater]
@@ -104,6 +107,8 @@ def test_crossover_is_the_first_intensity_at_half_the_peak_and_roof_beaters_are_
     assert intensity_sweep.IntensitySweep([point(1, 100.0)], 1e10, 1e8).crossover_intensity() == float("inf")
     with pytest.raises(ValueError, match="share must be in"):
         sweep.crossover_intensity(0)
+    with pytest.raises(ValueError, match="share must be in"):
+        sweep.earliest_crossover(1.5)
 
 
 def test_a_point_is_its_median_round_so_one_quiet_moment_does_not_put_it_over_the_roof(monkeypatch):
