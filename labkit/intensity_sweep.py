@@ -53,9 +53,11 @@ class IntensitySweep:
         Bare, that is ``share`` of the ridge. A point below the ridge may beat the
         memory roof by the reads STREAM's count leaves out and the noise
         (:meth:`over_memory_roof`'s allowance), so it may get there that much
-        earlier: the skinny matmul at intensity 4, a third of this box's ridge
-        of 10.6-11.5, reached 0.40-0.49 of the peak in five sweeps of the ``ci``
-        profile, and a CI run saw it pass 0.5.
+        earlier. On a 2-core CI box, the ``ci`` profile's skinny matmul at
+        intensity 4 reached 0.40-0.49 of the peak in five sweeps (ridges of
+        10.6-11.5 FLOP/byte), and was the first point past half of it in four of
+        ten runs of Lab 3 (ridges of 8.9-9.6, so under half the ridge); there
+        this bound was 2.5-3.3 FLOP/byte.
         """
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
