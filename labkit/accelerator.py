@@ -106,20 +106,32 @@ an H200 the width-1024 model that 'at or below the target' picked ran 2.5x below
 CPU_WIDTHS = tuple(range(2, 33))
 
 
+WIDTH_RULES = ("at or below", "closest", "at or above")
+"""How :func:`model_width_for` picks among the widths around the target rate."""
+
+
 def model_width_for(device: torch.device | str, *, images_per_s: float, batch_size: int, image_px: int,
                     widths: Sequence[int] = GPU_WIDTHS, repeats: int = 5, warmup: int = 2,
-                    closest: bool = False) -> int:
-    """The narrowest :class:`ModelStep` whose measured step is no faster than ``images_per_s``.
+                    rule: str = "at or below") -> int:
+    """The :class:`ModelStep` width whose measured step rate meets ``images_per_s`` by ``rule``.
 
     How much work keeps an accelerator busy depends on the accelerator: a width-32
     step is a few tiny kernels that a current GPU finishes before the host has the
     next batch ready, so even data in RAM would read as an idle accelerator. Rather
     than guess a width, time training steps on a resident batch at each width (best
-    of ``repeats``) and stop at the first that runs at or below the target rate. If
-    none does, the widest is returned. ``closest`` returns whichever of that width
-    and the one before it is nearer the target (by ratio): on a CPU one width step
-    changes the rate by 30-60%, so "at or below" alone can land far below it.
+    of ``repeats``), narrowest first, and stop at the first that runs at or below the
+    target rate. ``rule``:
+
+    - ``"at or below"``: that width (the widest if none is that slow);
+    - ``"closest"``: that width or the one before it, whichever is nearer the target by
+      ratio: on a CPU one width step changes the rate by 30-60%, so "at or below" alone
+      can land far below it;
+    - ``"at or above"``: the one before it unless it runs at the target exactly (the
+      narrowest if none is fast enough): the accelerator is then at least as fast as
+      asked, as Lab 1's must be (:data:`labkit.ladder.ACCELERATOR_OVER_LOADER`).
     """
+    if rule not in WIDTH_RULES:
+        raise ValueError(f"rule must be one of {WIDTH_RULES}, got {rule!r}")
     if images_per_s <= 0:
         raise ValueError(f"images_per_s must be > 0, got {images_per_s}")
     if not widths:
@@ -135,7 +147,8 @@ def model_width_for(device: torch.device | str, *, images_per_s: float, batch_si
         best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=warmup, repeats=repeats))
         rate = batch_size / (best_ms / 1e3)
         if rate <= images_per_s:
-            if closest and previous and math.log(previous[1] / images_per_s) < math.log(images_per_s / rate):
+            faster_is_nearer = previous and math.log(previous[1] / images_per_s) < math.log(images_per_s / rate)
+            if previous and (rule == "closest" and faster_is_nearer or rule == "at or above" and rate < images_per_s):
                 return previous[0]
             return width
         previous = (width, rate)
@@ -158,7 +171,7 @@ class CoreAccelerator:
     The host hands each batch over as a GPU's host would: it copies the pixels into
     a buffer the accelerator reads (shared memory here, device memory there), says
     "go", and waits for the step to finish. The model's width is measured on the
-    accelerator's own core, as on a GPU, so that a step runs at about
+    accelerator's own core, as on a GPU: the widest whose step runs at least at
     ``images_per_s``. Close it (or use ``with``) to stop the process; it also dies
     with its parent.
     """
@@ -314,7 +327,7 @@ def _serve(conn, images: torch.Tensor, labels: torch.Tensor, cores: list[int], i
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         width = model_width_for("cpu", images_per_s=images_per_s, batch_size=len(images),
-                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=2, warmup=1, closest=True)
+                                image_px=images.shape[-1], widths=CPU_WIDTHS, repeats=2, warmup=1, rule="at or above")
         model = ModelStep("cpu", width=width)
         measured_ms = min(time_ms(lambda: model.step(images, labels), warmup=1, repeats=2))
         conn.send(("ready", (width, len(images) / (measured_ms / 1e3))))
@@ -384,7 +397,7 @@ def accelerator_for(device: torch.device | str, *, images_per_s: float, batch_si
     device = torch.device(device)
     if device.type != "cpu":
         width = model_width_for(device, images_per_s=images_per_s, batch_size=batch_size, image_px=image_px,
-                                closest=True)
+                                rule="closest")
         return ModelStep(device, width=width)
     if emulate or split_cores() is None:
         return StandInAccelerator(images_per_s)

@@ -39,10 +39,12 @@ WARMUP_STEPS = 1
 
 LOOP_CLOCK_AGREEMENT = 0.10
 """Largest gap between the profile's data share and the step meter's waiting share over the same steps. Ten
-runs of Lab 1 on the 2-core CI box (``python benchmarks/ten_runs.py --runs 10 01``) found the file path's
-data share at 53-70% and the cache's at 3-5%, each within 1 point of the meter; the profiler cost 0.94-1.09x.
-The step the cache saved (60-78% of the file path's) ran 6-8 points above the data share: the accelerator's
-own step took 3-6 ms longer while the loader's workers decoded on the chip beside it."""
+runs of Lab 1 on the 2-core CI box (``python benchmarks/ten_runs.py --runs 10 1``) found the file path's
+data share at 62-72% and the cache's at 4-5%, each within 1 point of the meter; the profiler cost 0.75-1.11x.
+The step the cache saved (71-78% of the file path's) ran 3-14 points above the data share: the accelerator's
+own step took longer while the loader's workers decoded on the chip beside it. (With the accelerator's width
+the one nearest its target rather than the widest fast enough, the file path's share was 46-70%, once under
+the compute share: :data:`labkit.ladder.ACCELERATOR_OVER_LOADER`.)"""
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,18 @@ def test_one_core_leaves_none_for_the_accelerator(monkeypatch):
 
 
 def test_closest_picks_the_width_nearer_the_target_by_ratio(pick_width):
-    assert pick_width(36_000, closest=True) == 16     # 32k is 1.13x below, 64k 1.8x above
-    assert pick_width(60_000, closest=True) == 8      # 64k is 1.07x above, 32k 1.9x below
+    assert pick_width(36_000, rule="closest") == 16     # 32k is 1.13x below, 64k 1.8x above
+    assert pick_width(60_000, rule="closest") == 8      # 64k is 1.07x above, 32k 1.9x below
+
+
+def test_at_or_above_picks_the_widest_width_that_is_fast_enough(pick_width):
+    assert pick_width(36_000, rule="at or above") == 8     # 32k is too slow, however near
+    assert pick_width(32_000, rule="at or above") == 16    # exactly the target
+    assert pick_width(20_000, rule="at or above") == 16    # 32k, not 16k
+    assert pick_width(90_000, rule="at or above") == 8     # none is fast enough: the fastest there is
+    assert pick_width(36_000) == 16                        # the default, at or below
+    with pytest.raises(ValueError, match="rule must be one of"):
+        pick_width(36_000, rule="nearest")
 
 
 def _steps(accelerator, count: int, images, labels) -> tuple[float, float]:

@@ -187,7 +187,7 @@ def test_lab1_on_a_gpu_uses_a_real_model_as_wide_as_measured_sized_to_the_loader
     assert (accelerator.device, accelerator.width) == ("cuda", 256)
     loader_cores = min(sizes.workers, 15)
     assert asked == [("cuda", {"images_per_s": pytest.approx(ladder.ACCELERATOR_OVER_LOADER * loader_cores * 1000),
-                               "batch_size": sizes.batch_size, "image_px": sizes.image_px, "closest": True})]
+                               "batch_size": sizes.batch_size, "image_px": sizes.image_px, "rule": "closest"})]
 
 
 def test_lab1_on_the_cpu_runs_a_real_model_on_its_own_core_sized_to_the_loader(small_dataset, monkeypatch):
