@@ -24,6 +24,27 @@ def pytest_sessionfinish() -> None:
     close_zygote()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """A failed notebook cell's report carries what the cell printed before it failed.
+
+    nbval reports only the traceback, and a lab's asserts are about values the cell has just printed (the
+    "what we saw" sentences): without them a failure in a CI log cannot be told from a near miss.
+    """
+    report = yield
+    outputs = getattr(item, "test_outputs", None)
+    if report.failed and call.when == "call" and outputs:
+        report.sections.append(("Captured cell output", cell_output_text(outputs)))
+    return report
+
+
+def cell_output_text(outputs: list[dict]) -> str:
+    """The text of a cell's outputs as nbval collected them: streams, and each display's Markdown or plain text."""
+    texts = [out.get("text") or out.get("data", {}).get("text/markdown") or out.get("data", {}).get("text/plain")
+             for out in outputs]
+    return "\n".join(text if isinstance(text, str) else "".join(text) for text in texts if text)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).suffix == ".ipynb":
