@@ -23,19 +23,18 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import roofline
-from labkit.microbench import (MEASUREMENT_TOLERANCE, WRITE_ALLOCATE_ALLOWANCE, MemoryRoof, OpMeasurement, best_ms,
-                               sizes)
+from labkit.microbench import MOST_OVER_MEMORY_ROOF, MemoryRoof, OpMeasurement, best_ms, sizes
 
 CHAIN_LENGTHS = (1, 2, 4, 8, 16)
 """Multiply-adds per element: 0.25 to 4 FLOP/byte in float32, from far below a CPU's ridge to near it."""
-SLOPE_BAND = (0.6, WRITE_ALLOCATE_ALLOWANCE * (1 + MEASUREMENT_TOLERANCE))
+SLOPE_BAND = (0.6, MOST_OVER_MEMORY_ROOF)
 """Achieved FLOP/s over intensity x the memory roof, for the points well below the ridge (see
 :meth:`FusedSweep.on_slope`). Twenty runs of Lab 3 on the 2-core CI box gave 0.71-1.27 (``python
 benchmarks/ten_runs.py --runs 10 03``, twice): the compiled chain streamed up to a quarter faster than
 the STREAM kernels and the ReLU that set the roof, in the runs where they measured slowest. Bytes here
 are counted as STREAM counts them, without the read a cache makes before each write, and a kernel
 that avoids that read beats the count; the upper end is the allowance the matmul sweep's points get
-for it (:data:`~labkit.microbench.WRITE_ALLOCATE_ALLOWANCE`, with the noise)."""
+for it (:data:`~labkit.microbench.MOST_OVER_MEMORY_ROOF`: write-allocate, with the noise)."""
 BELOW_RIDGE = 0.25
 """A point is well below the ridge when its intensity is at most this share of the ridge: there the
 kernel's few FLOPs per element hide under the memory traffic."""

@@ -16,8 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import roofline
-from labkit.microbench import (MEASUREMENT_TOLERANCE, WRITE_ALLOCATE_ALLOWANCE, MemoryRoof, MicrobenchSizes,
-                               OpMeasurement, best_ms, matmul_precision, sizes, square_matmul_flops, torch_dtype)
+from labkit.microbench import (MOST_OVER_MEMORY_ROOF, MemoryRoof, MicrobenchSizes, OpMeasurement, best_ms,
+                               matmul_precision, sizes, square_matmul_flops, torch_dtype)
 
 ROOF_TILE = 256
 """Square roof matmuls are sized in multiples of this (see :func:`square_size_for`)."""
@@ -61,7 +61,7 @@ class IntensitySweep:
         """
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
-        return share * self.ridge / (WRITE_ALLOCATE_ALLOWANCE * (1 + MEASUREMENT_TOLERANCE))
+        return share * self.ridge / MOST_OVER_MEMORY_ROOF
 
     def climb(self) -> float:
         """Achieved FLOP/s of the most intense point over the least intense one."""
@@ -69,10 +69,9 @@ class IntensitySweep:
 
     def over_memory_roof(self) -> list[OpMeasurement]:
         """Points below the ridge that beat intensity x bandwidth by more than write-allocate and the noise allow
-        (:data:`~labkit.microbench.WRITE_ALLOCATE_ALLOWANCE`): a wrong byte count."""
-        allowed = WRITE_ALLOCATE_ALLOWANCE * (1 + MEASUREMENT_TOLERANCE)
+        (:data:`~labkit.microbench.MOST_OVER_MEMORY_ROOF`): a wrong byte count."""
         return [p for p in self.points if p.cost.intensity < self.ridge
-                and p.flops_per_s > p.cost.intensity * self.bandwidth_bytes_per_s * allowed]
+                and p.flops_per_s > p.cost.intensity * self.bandwidth_bytes_per_s * MOST_OVER_MEMORY_ROOF]
 
 
 def measure(device: torch.device | str, dtype: str | None = None,

@@ -44,6 +44,9 @@ moves 3 bytes for the 2 it counts, its add and triad 4 for 3. A kernel that writ
 skips that read, so at the same DRAM rate it moves up to 1.5x the roof by the same count. On a busy 2-core
 host the sweep's skinny matmuls ran 1.29-1.40x the roof in 3 of 13 sweeps, once in their median round."""
 
+MOST_OVER_MEMORY_ROOF = WRITE_ALLOCATE_ALLOWANCE * (1 + MEASUREMENT_TOLERANCE)
+"""The most a measured kernel may beat the memory roof by its byte count: write-allocate, then the noise."""
+
 
 STREAM_LIKE_OPS = ("residual add", "relu")
 """Ops that are STREAM kernels under another name once they write into a preallocated output: add, and scale."""
