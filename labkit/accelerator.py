@@ -147,8 +147,11 @@ def model_width_for(device: torch.device | str, *, images_per_s: float, batch_si
         best_ms = min(time_ms(lambda: model.step(images, labels), device=device, warmup=warmup, repeats=repeats))
         rate = batch_size / (best_ms / 1e3)
         if rate <= images_per_s:
-            faster_is_nearer = previous and math.log(previous[1] / images_per_s) < math.log(images_per_s / rate)
-            if previous and (rule == "closest" and faster_is_nearer or rule == "at or above" and rate < images_per_s):
+            if previous is None:
+                return width
+            if rule == "at or above" and rate < images_per_s:
+                return previous[0]
+            if rule == "closest" and math.log(previous[1] / images_per_s) < math.log(images_per_s / rate):
                 return previous[0]
             return width
         previous = (width, rate)
