@@ -142,7 +142,7 @@ def test_a_kernel_that_started_a_fork_server_exits_when_asked_instead_of_being_k
                     resources={"metadata": {"path": str(tmp_path)}})
     try:
         assert _execute(client) == ""
-        # jupyter_client's record of how the kernel ended: asked, or SIGTERM/SIGKILL after 2.5 s each
+        # jupyter_client's record of how the kernel ended: asked, or SIGTERM/SIGKILL (KERNEL_EXIT_WAIT_S)
         assert managers[0]._shutdown_status.name == "ShutdownRequest", managers[0]._shutdown_status
     finally:
         shutil.rmtree(client.kernel_dir, ignore_errors=True)

@@ -105,6 +105,18 @@ def _in_slices(get_msg):
     return get_msg_in_slices
 
 
+KERNEL_EXIT_WAIT_S = 12.0
+"""How long jupyter_client waits for an asked kernel to exit: half of it before SIGTERM, half before SIGKILL.
+
+A kernel asked to shut down first stops its children (ipykernel checks again after 0.01, 0.03, 0.1, 0.3, 1
+and 3 s), then runs its exit hooks, which remove what the lab made. A kernel that had started a fork server
+exited 0.5-1.0 s after the request in 56 of 57 one-cell runs here: idle, beside six spinning processes, beside a
+disk kept busy with fsyncs, and three at once. Twice it took longer than jupyter_client's default 2.5 s
+and was SIGTERMed mid-shutdown: once in a fresh process on an idle machine (3.5 s), once in the test suite's
+first part (``tests/test_runner.py``). The cause was not caught; 6 s before SIGTERM covers ipykernel's own
+checks (4.4 s at most before its 10 s one), and a kernel that exits at once loses nothing to the wait."""
+
+
 class _ProgressClient(NotebookClient):
     """An nbclient that advances a tqdm bar per cell, knows its cell and its kernel's pid."""
 
@@ -131,6 +143,7 @@ class _ProgressClient(NotebookClient):
             km.connection_file = str(self.kernel_dir / "kernel.json")
             km._kernel_spec = KernelSpec(argv=[sys.executable, "-m", "labkit.course.kernel", "-f",
                                                "{connection_file}"], display_name="labkit", language="python")
+        km.shutdown_wait_time = KERNEL_EXIT_WAIT_S
         return km
 
     async def async_start_new_kernel_client(self):
@@ -247,10 +260,8 @@ def run_lab(lab: Lab, out: Path, *, profile: str | None, timeout_s: int = 900) -
             os.environ.clear()
             os.environ.update(env_before)
             nbformat.write(nb, lab_dir / lab.notebook)  # a stopped run keeps the cells it ran
-            # The kernel is gone: sweep what it could not remove. One that started a fork server or a spawned
-            # process also started multiprocessing's resource tracker, which ignores SIGTERM, so asked to shut
-            # down it waited for that child and jupyter_client killed it after 5 s, before its exit hooks ran
-            # (a one-cell notebook that launched a rank: 5.5-5.8 s against 2.5 s, the hooks never ran).
+            # The kernel is gone: sweep what it could not remove, in case it was killed before its exit hooks
+            # ran (see KERNEL_EXIT_WAIT_S and labkit/course/kernel.py).
             from labkit.launcher import remove_stale_dirs
 
             remove_stale_dirs()
