@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from labkit import dsops
 from labkit.processes import (MP_DIR_PREFIX, die_with_parent, fork_server_context, kill_group, killpg,
-                              multiprocessing_base_dir, running)
+                              multiprocessing_base_dir, remove_folders_of_ended)
 
 
 @dataclass(frozen=True)
@@ -217,16 +217,9 @@ def remove_stale_dirs() -> list[Path]:
     server's socket folder lives as long (:func:`labkit.processes.own_multiprocessing_folder`).
     A process killed outright never cleans up, so every launch sweeps up after dead ones.
     """
-    removed = []
     places = [(LOG_DIR_PREFIX, tempfile.gettempdir()), (MP_DIR_PREFIX, multiprocessing_base_dir()),
               (KERNEL_DIR_PREFIX, multiprocessing_base_dir())]
-    for prefix, place in places:
-        for folder in Path(place).glob(f"{prefix}*-*"):
-            pid = folder.name[len(prefix):].split("-")[0]
-            if pid.isdigit() and not running(int(pid)):
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder)
-    return removed
+    return [folder for prefix, place in places for folder in remove_folders_of_ended(Path(place), prefix)]
 
 
 def launch(

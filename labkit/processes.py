@@ -185,6 +185,18 @@ def fork_server_context() -> Any:
     return ctx
 
 
+def remove_folders_of_ended(place: Path, prefix: str) -> list[Path]:
+    """Remove the folders in ``place`` named ``<prefix><pid>`` or ``<prefix><pid>-...`` whose process has
+    ended; returns them. A process killed outright never removes what it named for itself."""
+    removed = []
+    for folder in Path(place).glob(f"{prefix}*"):
+        pid = folder.name[len(prefix):].split("-")[0]
+        if folder.is_dir() and pid.isdigit() and not running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 MP_DIR_PREFIX = "labkit-mp-"
 AF_UNIX_PATH_MAX = 107
 """Bytes in a Unix socket's path: the fork server's socket lives in this folder, ``listener-`` + 8 more."""

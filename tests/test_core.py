@@ -353,3 +353,29 @@ def test_cpu_info_is_probed_once_per_cpu_and_kept_in_the_ops_folder(monkeypatch,
     monkeypatch.setattr(dsops, "cpu_info_file", lambda: tmp_path / "cpuinfo-another-cpu.json")
     install("w")   # another CPU: its own file
     assert cpuinfo.get_cpu_info() == {"vendor_id_raw": "w"} and probes == ["x", "z", "w"]
+
+
+def test_each_process_runs_a_lab_in_its_own_folder_and_the_next_run_removes_ended_ones(tmp_path, monkeypatch):
+    """Two copies of one lab at once (a notebook beside ``labkit run``) must not remove each other's files."""
+    import subprocess
+    import sys
+
+    from labkit.paths import run_dir
+
+    monkeypatch.setenv("LABKIT_DATA", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ended, live = tmp_path / "labx" / f"run-{dead.pid}", tmp_path / "labx" / f"run-{os.getppid()}"
+    for folder in (ended, live):
+        folder.mkdir(parents=True)
+        (folder / "checkpoint").write_text("kept while its process runs")
+    mine = run_dir("labx")
+    assert mine == tmp_path / "labx" / f"run-{os.getpid()}" and list(mine.iterdir()) == []
+    assert not ended.exists() and (live / "checkpoint").exists()
+    (mine / "checkpoint").write_text("this run's")
+    assert run_dir("labx") == mine and list(mine.iterdir()) == [], "a second run in one process starts afresh"
+    (mine / "checkpoint").write_text("this run's")
+    other = subprocess.run([sys.executable, "-c", "from labkit.paths import run_dir; print(run_dir('labx'))"],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "LABKIT_DATA": str(tmp_path)})
+    assert other.stdout.strip() not in ("", str(mine)), other.stderr[-2000:]
+    assert (mine / "checkpoint").read_text() == "this run's", "another process's run left this one's files alone"

@@ -759,10 +759,10 @@ def _sabotage_class(name: str, labs: tuple[str, ...]) -> type:
     """The test class of the sabotages of ``labs`` (notebook prefixes).
 
     One class per lab: ``pytest -n 2 --dist loadscope`` keeps a class on one worker, so two sabotages of
-    one lab never run at once. They share the lab's working folder under ``LABKIT_DATA`` (Lab 7 starts
-    ``lab07`` afresh, Lab 8's runs wipe theirs): run side by side, a Lab 7 sabotage once read a checkpoint
-    another had just removed (HTTP 404 from its store). Labs 7 and 8 share a class, the first to start:
-    both time fsynced saves.
+    one lab never run at once. That began when they shared the lab's working folder under ``LABKIT_DATA``
+    and a Lab 7 sabotage read a checkpoint another had just removed (HTTP 404 from its store); each run now
+    has a folder of its own (:func:`labkit.paths.run_dir`), and the grouping stays as the suite was timed.
+    Labs 7 and 8 share a class, the first to start: both time fsynced saves.
     """
 
     class Sabotages:
