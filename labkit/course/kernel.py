@@ -11,7 +11,7 @@ must carry). Run as ``python -m labkit.course.kernel -f CONNECTION_FILE``.
 
 At shutdown ipykernel stops the children in its process group, SIGTERM first, checking again after
 0.01, 0.03, 0.1, 0.3, 1 and 3 s. multiprocessing's resource tracker, which any lab that starts a process
-from Python starts too, ignores SIGTERM, so the kernel outlived the runner's 2.5 s of patience and was
+from Python starts too, ignores SIGTERM, so the kernel outlived the runner's patience (then 2.5 s) and was
 killed: a one-cell notebook that started the tracker took 4.1 s to run against 2.1 s, and one that
 launched a rank 5.4 s (its fork server, once stopped, stays listed as a zombie). This kernel leaves the
 tracker and the dead out of that list; the tracker exits by itself once the kernel, the last holder of its
