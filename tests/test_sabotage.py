@@ -612,7 +612,7 @@ SABOTAGES = [
         _run_torchrun = elastic.run_torchrun
         elastic.run_torchrun = lambda *args, **kwargs: _run_torchrun(*args, **{**kwargs, "max_restarts": 0})
     """, fails_at="elastic-asserts-08", says="torchrun restarted the job once",
-             needs=('48b1b338', 'fc74298f', 'dce1689b', 'elastic-run-08'), trim=TRIM_LAB8_KILL_ONLY),
+             needs=('48b1b338', 'fc74298f', '67abeab2', 'dce1689b', 'elastic-run-08'), trim=TRIM_LAB8_KILL_ONLY),
     Sabotage("08_recovery_and_placement", "zone links that are not shaped", """
         from labkit import netns
         netns.shape = lambda *args, **kwargs: None
