@@ -26,7 +26,8 @@ def replay(factor: float, seed: int, sizes: IntervalSizes, step_s: float, save_s
     ``interval_runs._Loop`` runs it, with every step taking ``step_s``."""
     optimum_s = 2 * save_s * sizes.mtbf_over_optimum
     mtbf_s, interval_s = sizes.mtbf_over_optimum * optimum_s, factor * optimum_s
-    steps, arrivals = round(sizes.failures * mtbf_s / step_s), Arrivals(mtbf_s, seed)
+    share = 1.0 if factor == max(sizes.factors) else sizes.shorter_share   # as interval_runs.measure_here
+    steps, arrivals = round(sizes.failures * share * mtbf_s / step_s), Arrivals(mtbf_s, seed)
     clock, position, saved_at, since_save_s, failures, stretch_s, stretches = 0.0, 0, 0, 0.0, 0, 0.0, 0
     while position < steps:
         clock, position, since_save_s = clock + step_s, position + 1, since_save_s + step_s

@@ -16,6 +16,8 @@ TINY = ir.IntervalSizes(width=16, batch=4, failures=2)
     ("factors", (), "factors must all be > 0"),
     ("factors", (1.0, -1.0), "factors must all be > 0"),
     ("mtbf_over_optimum", 4.0, "mtbf_over_optimum must be at least twice the largest factor"),
+    ("shorter_share", 0.0, r"shorter_share must be in \(0, 1\]"),
+    ("shorter_share", 1.5, r"shorter_share must be in \(0, 1\]"),
 ])
 def test_bad_sizes_name_the_field(field, value, says):
     kwargs = {"width": 8, "batch": 2, "failures": 1, field: value}
@@ -63,7 +65,9 @@ def test_a_failure_reloads_the_last_checkpoint_and_redoes_the_steps_since(tmp_pa
 def test_the_experiment_measures_every_interval_against_the_same_baseline():
     experiment = ir.measure(TINY)
     assert [run.factor for run in experiment.runs] == list(TINY.factors)
-    assert len({run.baseline_s for run in experiment.runs}) == 1
+    *shorter, longest = experiment.runs   # the shorter intervals run a share of the longest's steps
+    assert all(run.useful_steps == round(longest.useful_steps * TINY.shorter_share) for run in shorter)
+    assert all(run.baseline_s < longest.baseline_s for run in shorter), "the baseline's time for fewer steps"
     assert all(0 < run.goodput <= 1.5 and run.failures >= 1 for run in experiment.runs)
     assert all(run.interval_s >= run.factor * experiment.calibration.optimum_s for run in experiment.runs)
     assert experiment.same_weights()

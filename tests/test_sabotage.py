@@ -60,11 +60,11 @@ class Sabotage:
 # not a busy fraction, or the diagnosis's shares of the loader's wait, the sleeping stand-in replaces the
 # accelerator that is sized on its own core (about 4 s of each run's set-up). Lab 8's NaN sabotage injects only the NaN: one restart instead of four
 # and no 3 s wait to detect a hang (55-65 s -> 20 s, measured with a 5 s wait). Lab 8's interval sabotage that breaks the final weights gives
-# each loop four failures' work instead of twelve, and so does the one whose baseline saves too (its goodputs rise
-# with the baseline's saves, 1.31-1.36x in three runs with four failures); the one that breaks the ordering keeps eight, since
-# with saves off the clock the shortest interval leads only by the work its failures redo, and four average that
-# poorly (with eight it led the middle by 0.06-0.09 in three runs, and the loops took 7.9-13.2 s, against 22.7-23.5 s
-# with twelve). Lab 5's crossover sabotage, which syncs every micro-batch, runs
+# the longest interval four failures' work instead of twelve (the others half that, as in the lab), and so does the one
+# whose baseline saves too (its goodputs rise with the baseline's saves, 1.31-1.36x in three runs with four failures);
+# the one that breaks the ordering keeps eight for every loop, since with saves off the clock the shortest interval
+# leads only by the work its failures redo, and four average that poorly (with eight it led the middle by 0.06-0.09
+# in three runs, and the loops took 7.9-13.2 s, against 22.7-23.5 s with twelve). Lab 5's crossover sabotage, which syncs every micro-batch, runs
 # windows of 1 and 64 only: at 256 its longest window alone would take about 17 s of syncs. Lab 5's diagnosis
 # sabotage measures the one rate it diagnoses, 0.5 Gbit/s. Lab 3's eager multiply-add chain runs chains of 1, 2
 # and 4 only: all five, up to 16 multiply-adds, took 45 s eager, the three 6 s. Lab 7's diagnosis sabotages profile
@@ -145,7 +145,8 @@ TRIM_LAB8_KILL_ONLY = """
 TRIM_LAB8_FAILURES = """
     import dataclasses
     from labkit import interval_runs
-    interval_runs.SIZES = {{name: dataclasses.replace(size, failures={failures}) for name, size in interval_runs.SIZES.items()}}
+    interval_runs.SIZES = {{name: dataclasses.replace(size, failures={failures}, shorter_share={share})
+                           for name, size in interval_runs.SIZES.items()}}
 """
 TRIM_LAB7_SHORT_DIAGNOSIS = """
     from labkit import checkpoint_stalls, diagnose
@@ -588,13 +589,13 @@ SABOTAGES = [
 
         interval_runs._Loop.advance = advance
     """, fails_at="interval-order-08", says="goodput peaks at the middle interval",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=8), alone=True),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=8, share=1.0), alone=True),
     Sabotage("08_recovery_and_placement", "useful work timed on a baseline that saves too", """
         from labkit import interval_runs
         _init = interval_runs._Loop.__init__
         interval_runs._Loop.__init__ = lambda self, sizes, interval_s, *rest: _init(self, sizes, interval_s or 0.005, *rest)
     """, fails_at="interval-asserts-08", says="measured goodput within",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4), alone=True),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4, share=0.5), alone=True),
     Sabotage("08_recovery_and_placement", "a reload that restores the model but not the optimizer's moments", """
         from labkit import interval_runs
         _load = interval_runs._Trainer.load
@@ -606,7 +607,7 @@ SABOTAGES = [
 
         interval_runs._Trainer.load = staticmethod(load)
     """, fails_at="interval-asserts-08", says="every loop ended on the same weights",
-             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4), alone=True),
+             needs=('48b1b338', 'interval-run-08'), trim=TRIM_LAB8_FAILURES.format(failures=4, share=0.5), alone=True),
     Sabotage("08_recovery_and_placement", "torchrun without restarts", """
         from labkit import elastic
         _run_torchrun = elastic.run_torchrun
