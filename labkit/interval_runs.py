@@ -360,8 +360,8 @@ def measure_here(sizes: IntervalSizes, folder: str) -> IntervalExperiment:
         if rounds == SETTLING_ROUNDS and not baseline.done:
             useful_steps = max(useful_steps // 2, round(sizes.failures * calibration.mtbf_s * rounds / baseline.elapsed_s))
             baseline.useful_steps = useful_steps
-            for loop, share in zip(loops, shares):
-                loop.useful_steps = round(useful_steps * share)
+            for loop, share in zip(loops, shares):   # never a step the baseline has passed: its weights are kept there
+                loop.useful_steps = max(round(useful_steps * share), baseline.position + 1)
         if rounds % 200 == 0:
             ticker.write_text(f"{sum(loop.position for loop in everyone)}/{sum(loop.useful_steps for loop in everyone)}")
     costs = _measured_costs(baseline, loops, calibration.mtbf_s)
