@@ -169,6 +169,15 @@ TRIM_LAB6_SLOWEST_RATE = """
                            for name, size in zeropp_fabric.SIZES.items()}
 """
 
+ASYNC_SAVE_THAT_WAITS = """
+    from labkit import savers
+    _save = savers.AsyncSaver.save
+    def _save_and_wait(self, step, state):
+        stats = _save(self, step, state)
+        self.wait()
+        return stats
+    savers.AsyncSaver.save = _save_and_wait
+"""
 
 SABOTAGES = [
     Sabotage("01_input_pipeline", "flips depend on the worker", """
@@ -500,16 +509,12 @@ SABOTAGES = [
         zeropp.batch = lambda dims, teacher, size, seed: _batch(dims, teacher, min(size, 4), seed)
     """, fails_at="microbatch-06", says="must shrink with a bigger micro-batch",
              needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_SLOWEST_RATE),
-    Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", """
-        from labkit import savers
-        _save = savers.AsyncSaver.save
-        def _save_and_wait(self, step, state):
-            stats = _save(self, step, state)
-            self.wait()
-            return stats
-        savers.AsyncSaver.save = _save_and_wait
-    """, fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
+    Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", ASYNC_SAVE_THAT_WAITS,
+             fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
              needs=('09780d08', 'plan-k', 'f13536ac')),
+    Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends, seen by the diagnosis",
+             ASYNC_SAVE_THAT_WAITS, fails_at="diagnose-asserts-07", says="the checkpoint share falls with async saves",
+             needs=('09780d08', 'diagnose-07'), trim=TRIM_LAB7_SHORT_DIAGNOSIS),
     Sabotage("07_checkpoints_and_fusion", "goodput counted at each run's own step time", """
         import time
         from labkit import checkpoint_stalls as stalls
