@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from labkit import checkpoint, savers
-from labkit.devices import PeakRss, time_ms
+from labkit.devices import PeakRss, return_freed_heap, time_ms
 from labkit.models import mlp, parameter_count
 from labkit.profiles import require_at_least
 
@@ -259,6 +259,7 @@ def train_with_checkpoints(
         from tqdm.auto import tqdm
 
         iterator = tqdm(iterator, desc=f"{kind} checkpoints", leave=False)
+    return_freed_heap()   # an earlier run's freed buffers, still resident, would hold the snapshot unseen
     with PeakRss() as rss:
         origin = time.perf_counter()
         for step in iterator:

@@ -259,6 +259,17 @@ def test_async_save_blocks_training_less_than_sync_and_costs_one_copy_of_host_me
     assert [s.step for s in async_.saves] == [2, 4]
 
 
+
+def test_a_second_async_run_in_the_same_process_still_counts_its_copy(tmp_path):
+    """Run All twice in one kernel: the first run's freed buffers, still resident, must not hide the second's copy."""
+    # glibc serves an allocation from the heap once a chunk of its size came from mmap and was freed (its
+    # mmap threshold rises to that size), and keeps freed heap pages resident
+    torch.empty(30 * 2**20, dtype=torch.uint8)   # allocated and freed at once
+    for attempt in range(2):
+        run = train_with_checkpoints("async", tmp_path / str(attempt), state_mb=64, steps=2, save_every=1)
+        assert run.peak_rss_added_bytes > 0.5 * run.state_bytes, f"run {attempt + 1}"
+
+
 def _tiny_model():
     model = torch.nn.Linear(2, 2)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
