@@ -514,7 +514,7 @@ SABOTAGES = [
              needs=('09780d08', 'plan-k', 'f13536ac')),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends, seen by the diagnosis",
              ASYNC_SAVE_THAT_WAITS, fails_at="diagnose-asserts-07", says="the checkpoint share falls with async saves",
-             needs=('09780d08', 'diagnose-07'), trim=TRIM_LAB7_SHORT_DIAGNOSIS),
+             needs=('09780d08', 'diagnose-07'), trim=TRIM_LAB7_SHORT_DIAGNOSIS, alone=True),
     Sabotage("07_checkpoints_and_fusion", "goodput counted at each run's own step time", """
         import time
         from labkit import checkpoint_stalls as stalls
