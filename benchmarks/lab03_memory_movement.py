@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from labkit import fusion, microbench, overlap, profile, roofline_devices
+from labkit import fusion, microbench, overlap, profile, reference_loops, roofline_devices
 from labkit.devices import describe_machine, load_average, pick_device
 
 TARGET_FRACTION = 0.80
@@ -32,7 +32,7 @@ def main() -> int:
     peaks = microbench.measure_peaks(device, sizes)
     print(f"microbench: measured peaks in {time.perf_counter() - start:.1f} s")
 
-    plain_copy = max(microbench.plain_copy_bytes_per_s(device, sizes.bandwidth_numel) for _ in range(3))
+    plain_copy = max(reference_loops.plain_copy_bytes_per_s(device, sizes.bandwidth_numel) for _ in range(3))
     fraction = peaks.bandwidth_bytes_per_s / plain_copy
     print(f"bandwidth: microbench {peaks.bandwidth_bytes_per_s / 1e9:.2f} GB/s, plain copy {plain_copy / 1e9:.2f} GB/s "
           f"-> {fraction:.0%} (target >= {TARGET_FRACTION:.0%})")
@@ -40,7 +40,7 @@ def main() -> int:
         failures.append("bandwidth")
 
     for dtype, n in sizes.matmul_n.items():
-        plain = max(microbench.plain_matmul_flops(device, n, dtype) for _ in range(3))
+        plain = max(reference_loops.plain_matmul_flops(device, n, dtype) for _ in range(3))
         fraction = peaks.matmul_flops_per_s[dtype] / plain
         print(f"matmul {dtype} n={n}: microbench {peaks.matmul_flops_per_s[dtype] / 1e9:.1f} GFLOP/s, "
               f"plain {plain / 1e9:.1f} GFLOP/s -> {fraction:.0%} (target >= {TARGET_FRACTION:.0%})")

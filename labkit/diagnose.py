@@ -271,7 +271,7 @@ def _in_span(fn, label: str):
 
 def ridge_of_this_machine() -> float:
     """Lab 3's ridge, FLOP per byte, measured now with plain torch (a matmul and a copy, about a second)."""
-    from labkit.microbench import plain_copy_bytes_per_s, plain_matmul_flops
+    from labkit.reference_loops import plain_copy_bytes_per_s, plain_matmul_flops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return plain_matmul_flops(device, 1024) / plain_copy_bytes_per_s(device, 32 * 2**20)

@@ -28,13 +28,12 @@ from labkit.microbench import MOST_OVER_MEMORY_ROOF, MemoryRoof, OpMeasurement, 
 CHAIN_LENGTHS = (1, 2, 4, 8, 16)
 """Multiply-adds per element: 0.25 to 4 FLOP/byte in float32, from far below a CPU's ridge to near it."""
 SLOPE_BAND = (0.6, MOST_OVER_MEMORY_ROOF)
-"""Achieved FLOP/s over intensity x the memory roof, for the points well below the ridge (see
-:meth:`FusedSweep.on_slope`). Twenty runs of Lab 3 on the 2-core CI box gave 0.71-1.27 (``python
-benchmarks/ten_runs.py --runs 10 03``, twice): the compiled chain streamed up to a quarter faster than
-the STREAM kernels and the ReLU that set the roof, in the runs where they measured slowest. Bytes here
-are counted as STREAM counts them, without the read a cache makes before each write, and a kernel
-that avoids that read beats the count; the upper end is the allowance the matmul sweep's points get
-for it (:data:`~labkit.microbench.MOST_OVER_MEMORY_ROOF`: write-allocate, with the noise)."""
+"""Achieved FLOP/s over intensity x the memory roof of the same round, for the points well below the ridge
+(see :meth:`FusedSweep.on_slope`). Ten runs of Lab 3 on the 2-core CI box gave 0.69-1.03 (``python
+benchmarks/ten_runs.py --runs 10 3``, 2026-12-07); set against roofs of other moments, twenty earlier runs
+gave 0.71-1.27. Bytes here are counted as STREAM counts them, without the read a cache makes before each
+write, and a kernel that avoids that read beats the count; the upper end is the allowance the matmul
+sweep's points get for it (:data:`~labkit.microbench.MOST_OVER_MEMORY_ROOF`: write-allocate, with the noise)."""
 BELOW_RIDGE = 0.25
 """A point is well below the ridge when its intensity is at most this share of the ridge: there the
 kernel's few FLOPs per element hide under the memory traffic."""
@@ -63,19 +62,39 @@ def compiled_chain(k: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 @dataclass(frozen=True)
 class FusedSweep:
-    """The chain at each length, measured, beside the run's memory roof and a compute peak."""
+    """The chain at each length, timed round by round beside the memory roof of each round, and a compute peak."""
 
-    points: list[OpMeasurement]
-    bandwidth_bytes_per_s: float
+    costs: list[roofline.OpCost]
+    round_ms: list[list[float]]
+    """For each chain length, its time in each round (the best of a few calls)."""
+    round_roofs: list[float]
+    """The memory roof measured in each round, STREAM and the ReLU on the chains' arrays."""
     peak_flops_per_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.costs) != len(self.round_ms) or any(len(ms) != len(self.round_roofs) for ms in self.round_ms):
+            raise ValueError(f"round_ms must hold one time per round ({len(self.round_roofs)}) for each of the "
+                             f"{len(self.costs)} costs, got {[len(ms) for ms in self.round_ms]}")
+
+    @property
+    def points(self) -> list[OpMeasurement]:
+        """Each length at its median round, as the matmul sweep keeps its points."""
+        return [OpMeasurement(cost, statistics.median_low(ms)) for cost, ms in zip(self.costs, self.round_ms)]
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """The median round's memory roof: the one the plot draws and the ridge divides by."""
+        return statistics.median(self.round_roofs)
 
     @property
     def ridge(self) -> float:
         return roofline.ridge_point(self.peak_flops_per_s, self.bandwidth_bytes_per_s)
 
     def of_slope(self, point: OpMeasurement) -> float:
-        """Achieved FLOP/s over what the sloped roof allows at the point's intensity."""
-        return point.flops_per_s / (point.cost.intensity * self.bandwidth_bytes_per_s)
+        """Achieved FLOP/s over intensity x the memory roof, round by round against that round's roof; the median."""
+        ms = self.round_ms[[c.name for c in self.costs].index(point.cost.name)]
+        return statistics.median(point.cost.flops / (t / 1e3) / (point.cost.intensity * roof)
+                                 for t, roof in zip(ms, self.round_roofs))
 
     def on_slope(self) -> list[OpMeasurement]:
         """The points well below the ridge (:data:`BELOW_RIDGE`), where the roofline puts them on its slope."""
@@ -90,14 +109,11 @@ def measure(device: torch.device | str, roof: MemoryRoof, peak_flops_per_s: floa
     (:meth:`MemoryRoof.include`), and the chain is the same kind of kernel, so it runs on arrays of
     their size. On the STREAM kernels' larger arrays it ran at 0.52-0.75 of a roof that the ops' smaller
     working set (part of it in a large last-level cache) had set, in four runs. Each round measures the
-    roof again, STREAM and the ReLU on the chain's own arrays, so that one slow moment of the ReLU
-    timed earlier does not set it (in two of ten runs it had, and the chain streamed 1.26x that roof;
-    measured again in turns, at most 1.27x in twenty runs). Nor does a fast one: the chains are set against
-    the roof of these rounds alone, not the best ``roof`` saw all run. In seven of ten runs of Lab 3 on a
-    shared host (2026-12-07) the roof measured during the matmul sweep had reached 50-67 GB/s, against
-    28-36 GB/s at the lab's first measurement, and the chains then sat at 0.45-0.76 of it. ``roof`` gets
-    this ReLU too. Each point keeps its median round (each round the best of
-    a few calls), as the matmul sweep does, and the roof its best.
+    roof again, STREAM and the ReLU on the chain's own arrays, and each chain is judged against the roof
+    of its own round (:meth:`FusedSweep.of_slope`). A shared host's bandwidth swings between seconds:
+    set against the best roof of other moments, the chains sat at 0.45-0.76 of it in seven of ten runs
+    of Lab 3 (2026-12-07), and against the best roof of their own three rounds at 0.53-0.60 in one run
+    of ten the same day. ``roof``, the run's one roof, gets every measurement.
     """
     if rounds < 1 or not lengths or min(lengths) < 1:
         raise ValueError(f"rounds must be >= 1 and lengths chain lengths >= 1, got {rounds} and {lengths}")
@@ -110,15 +126,15 @@ def measure(device: torch.device | str, roof: MemoryRoof, peak_flops_per_s: floa
     for k, chain in tqdm(chains.items(), desc="compiling the chains", leave=False):
         chain(x, out)
     repeats = chosen.repeats
-    point_ms: dict[int, list[float]] = {k: [] for k in lengths}
+    round_ms: list[list[float]] = [[] for _ in lengths]
+    round_roofs: list[float] = []
     relu = roofline.elementwise(numel, "float32", name="relu")
-    beside = MemoryRoof(roof.numel, roof.dtype, repeats=roof.repeats)   # the roof at the chains' own moments
     for _ in tqdm(range(rounds), desc="fused chains", leave=False):
-        beside.measure(device)
-        relu_ms = best_ms(lambda: torch.clamp(x, min=0, out=out), device, repeats=repeats)
-        beside.include("relu", relu.bytes_moved / (relu_ms / 1e3))
-        for k, chain in chains.items():
-            point_ms[k].append(best_ms(lambda chain=chain: chain(x, out), device, repeats=repeats))
-    points = [OpMeasurement(chain_cost(numel, k), statistics.median_low(point_ms[k])) for k in lengths]
-    roof.include("relu", beside.streamed["relu"])
-    return FusedSweep(points, beside.bytes_per_s, peak_flops_per_s)
+        stream = roof.measure_now(device)
+        relu_bytes_per_s = relu.bytes_moved / (best_ms(lambda: torch.clamp(x, min=0, out=out), device,
+                                                       repeats=repeats) / 1e3)
+        roof.include("relu", relu_bytes_per_s)
+        round_roofs.append(max(stream, relu_bytes_per_s))
+        for times, chain in zip(round_ms, chains.values()):
+            times.append(best_ms(lambda chain=chain: chain(x, out), device, repeats=repeats))
+    return FusedSweep([chain_cost(numel, k) for k in lengths], round_ms, round_roofs, peak_flops_per_s)

@@ -55,10 +55,11 @@ SIZES = {
     "gpu": OverlapSizes(batches=16, batch_rows=4096, features=4096, compute_width=2048, repeats=3),
 }
 """On the CPU a batch's compute is sized near its copy (2.1 ms at 2 GB/s): then overlap hides most of the
-shorter lane, and at half the link (Exercise 3.2) the overlapped and serial totals stay far apart. At
-width 64 a batch computed in 0.9 ms on a fast core; at half the link the serial total came within 14-15%
-of the overlapped one, inside the exercise's 15% tolerance, and the check accepted the wrong answer. At
-192: 2.5 ms, 1.7x from overlap, serial 48% above overlapped at half the link (four runs each)."""
+shorter lane, and at a quarter of the link (Exercise 3.2, :data:`labkit.exercises.lab03.LINK_SLOWDOWN`) the
+overlapped and serial totals stay far apart. At width 64 a batch computed in 0.9 ms on a fast core; at half
+the link (the exercise's rate then) the serial total came within 14-15% of the overlapped one, inside the
+exercise's 15% tolerance, and the check accepted the wrong answer. At 192: 2.5 ms then, 1.7x from overlap
+(four runs); 4.3-5.0 ms per batch in ten runs of Lab 3 on a busier day (2026-12-07)."""
 LINK_CHUNK_BYTES = 2**20
 SIZES["multi-gpu"] = SIZES["gpu"]
 CUDA_EVENT_RESOLUTION_MS = 0.002

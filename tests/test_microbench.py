@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit import intensity_sweep, microbench, roofline
+from labkit import intensity_sweep, microbench, reference_loops, roofline
 
 TINY = microbench.MicrobenchSizes(
     bandwidth_numel=2**20,
@@ -37,7 +37,7 @@ def test_measured_matmul_peaks_are_per_dtype_and_give_a_ridge(peaks):
 
 
 def test_every_op_carries_the_model_cost_and_a_positive_time():
-    measured = microbench.measure_ops("cpu", TINY)
+    measured = microbench.measure_ops("cpu", TINY).ops
     names = [m.cost.name for m in measured]
     assert names[:5] == ["residual add", "relu", "softmax", "layer_norm", microbench.ALLOCATING_ADD]
     assert all(m.ms > 0 for m in measured)
@@ -47,7 +47,7 @@ def test_every_op_carries_the_model_cost_and_a_positive_time():
 
 
 def test_memory_bound_ops_are_those_below_the_ridge():
-    measured = microbench.measure_ops("cpu", TINY)
+    measured = microbench.measure_ops("cpu", TINY).ops
     memory_bound = microbench.memory_bound_ops(measured, ridge=5.0)
     assert {m.cost.name for m in memory_bound} >= {"residual add", "relu", "softmax", "layer_norm"}
     assert all(m.cost.intensity < 5.0 for m in memory_bound)
@@ -61,8 +61,8 @@ def test_tf32_switch_is_restored_after_measuring():
 
 
 def test_plain_references_measure_positive_rates():
-    assert microbench.plain_matmul_flops("cpu", 64, iterations=2) > 0
-    assert microbench.plain_copy_bytes_per_s("cpu", 2**16, iterations=2) > 0
+    assert reference_loops.plain_matmul_flops("cpu", 64, iterations=2) > 0
+    assert reference_loops.plain_copy_bytes_per_s("cpu", 2**16, iterations=2) > 0
 
 
 def test_unsupported_dtype_and_bad_sizes_are_refused():
@@ -149,6 +149,19 @@ def test_ops_and_the_sweep_measure_the_one_roof_in_turns_with_their_points():
     assert roof.measurements == 2
     sweep = intensity_sweep.measure("cpu", "float32", TINY, rounds=2, roof=roof)
     assert roof.measurements == 4 and sweep.bandwidth_bytes_per_s == roof.bytes_per_s
+
+
+def test_an_ops_share_of_the_roof_is_taken_against_the_stream_run_of_its_own_round(monkeypatch):
+    """STREAM swings between rounds; the op's share is its rate over the same round's roof, median of rounds."""
+    roofs = iter([10e9, 40e9, 10e9])   # one fast STREAM round, as a shared host gave
+    monkeypatch.setattr(microbench, "measure_bandwidth", lambda device, numel, dtype, *, repeats: (
+        microbench.BandwidthResult({"copy": next(roofs)}, numel, dtype)))
+    monkeypatch.setattr(microbench, "best_ms", lambda fn, device, repeats: 1.0)
+    timed = microbench.measure_ops("cpu", TINY, rounds=3)
+    relu = next(m for m in timed.ops if m.cost.name == "relu")
+    assert timed.share("relu") == pytest.approx(relu.bytes_per_s / 10e9)   # the median round, not the fast one
+    with pytest.raises(ValueError, match="name must be one of the timed ops"):
+        timed.share("gelu")
 
 
 def test_the_preallocated_ops_compute_what_their_usual_forms_do():

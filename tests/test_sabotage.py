@@ -399,7 +399,7 @@ SABOTAGES = [
             suite.ops[:2] = [(suite.ops[0][0], lambda: x + y), (suite.ops[1][0], lambda: torch.relu(x))]
             return suite
         microbench.transformer_ops = _allocating
-    """, fails_at="0af13c21", says="streams at most of the memory roof",
+    """, fails_at="0af13c21", says="of the memory roof beside it, not most of it",
              needs=('acb2cc6c', '2edeefe8', 'b3329a8a', '0ca551fd')),
     Sabotage("03_memory_movement", "the multiply-add chain runs op by op", """
         from labkit import fused_intensity
