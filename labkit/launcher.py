@@ -156,6 +156,20 @@ def _init_process_group(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _leave_together(backend: str) -> None:
+    """Wait until every rank has finished its function before any rank leaves its group.
+
+    ``init_process_group`` can return on one rank while a peer is still connecting gloo's full mesh; a
+    function with no collective in it then lets the first rank exit under the peer, which fails with
+    "Connection closed by peer" (1 of 60 two-rank launches of a function that only reads the
+    environment, with three busy loops on the 2-core box; 2 of 6 suite runs met it in one test).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(device_ids=[int(os.environ["LOCAL_RANK"])] if backend == "nccl" else None)
+
+
 def _rank_main(
     ref: str,
     rank: int,
@@ -183,6 +197,8 @@ def _rank_main(
         if init_group:
             _init_process_group(env["LABKIT_BACKEND"], float(env["LABKIT_TIMEOUT_S"]))
         result = fn(**kwargs)
+        if init_group:
+            _leave_together(env["LABKIT_BACKEND"])
         conn.send(("ok", result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))

@@ -55,6 +55,19 @@ def env_rank(name: str) -> tuple[str | None, str]:
     return os.environ.get(name), os.getcwd()
 
 
+def first_done_still_runs_rank(wait_s: float) -> bool | None:
+    """Rank 0 returns at once; the last rank, ``wait_s`` later, says whether rank 0's process still runs."""
+    from pathlib import Path
+
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return None
+    time.sleep(wait_s)
+    status = Path(f"/proc/{pids[0]}/status")
+    return status.exists() and "\nState:\tZ" not in status.read_text()
+
+
 def store_is_listening_rank() -> bool:
     """Whether the store at MASTER_ADDR:MASTER_PORT already listens, in a rank that started no group."""
     import socket

@@ -74,6 +74,12 @@ def test_ranks_see_the_callers_environment_and_folder_of_now_not_the_fork_server
     assert launch(rankfns.env_rank, 2, name="HOME") == [(None, str(tmp_path))] * 2
 
 
+def test_no_rank_leaves_its_group_before_every_rank_has_finished():
+    """A rank that left while a peer was still connecting gloo's mesh made the peer fail ("Connection closed
+    by peer"), for a function with no collective in it: the ranks leave together."""
+    assert launch(rankfns.first_done_still_runs_rank, 2, wait_s=1.0, timeout_s=60) == [None, True]
+
+
 def test_functions_from_a_notebook_cell_are_refused_with_the_fix():
     def local_fn():
         return 1
