@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from daft import col
 from PIL import Image
+
+from labkit import fresh_process
 
 CATALOG_SCHEMA: dict[str, pa.DataType] = {
     "image_id": pa.int64(),
@@ -255,27 +256,18 @@ class DecodePeaks:
     """Peak added while each batch is decoded, used and dropped before the next."""
 
 
-PEAK_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-"""The probe's allocator: every allocation over 64 KiB its own mapping, returned to the kernel when freed, so the
-high-water mark follows the arrays alive. In a notebook's own kernel the allocator's history moved it: on the
-second Run All, glibc served the decoded images from heap pages an earlier cell had freed, and a stream of
-32-image batches peaked at 8.6 MB, 1.7 batches (0.21 of the kept column's 41.2 MB)."""
-
-
 def decode_peaks(paths: Iterable[str], *, batch: int = 32) -> DecodePeaks:
     """Decode ``paths`` twice at full size, keeping everything, then ``batch`` images at a time; measure both peaks.
 
     The peaks are the kernel's high-water mark (:class:`labkit.devices.PeakRss`) of a fresh process with
-    :data:`PEAK_ALLOCATOR_ENV`, so they count what the arrays really took, and nothing earlier code left behind.
+    :data:`labkit.fresh_process.PEAK_ALLOCATOR_ENV`, so they count what the arrays really took, and nothing earlier code left behind.
     """
     paths = list(paths)
     if not paths or batch < 1:
         raise ValueError(f"paths must name at least one image and batch must be >= 1, got {len(paths)} and {batch}")
-    out = subprocess.run([sys.executable, "-m", "labkit.catalog", json.dumps({"paths": paths, "batch": batch})],
-                         env={**os.environ, **PEAK_ALLOCATOR_ENV}, capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory probe failed:\n{out.stderr[-2000:]}")
-    return DecodePeaks(**json.loads(out.stdout.strip().splitlines()[-1]))
+    return DecodePeaks(**fresh_process.run_module("labkit.catalog", json.dumps({"paths": paths, "batch": batch}),
+                                                   env=fresh_process.PEAK_ALLOCATOR_ENV, what="memory probe",
+                                                   timeout_s=300))
 
 
 def _decode_peaks_here(paths: list[str], batch: int) -> DecodePeaks:

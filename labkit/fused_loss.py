@@ -18,14 +18,13 @@ backward), so the backward only scales them by the incoming gradient.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from labkit import fresh_process
 from labkit.devices import peak_added_bytes
 from labkit.profiles import require_at_least
 
@@ -185,14 +184,8 @@ def measure_peak_memory(kinds: list[str], sizes: FusedLossSizes, *, device: str 
     """
     if device.startswith("cuda"):
         return [PeakMemory(k, _peak_bytes_here(k, sizes, device), "torch.cuda.max_memory_allocated") for k in kinds]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "labkit.fused_loss", json.dumps({"kinds": kinds, "sizes": asdict(sizes)})],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"memory probe failed:\n{out.stderr[-2000:]}")
-    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    peaks = fresh_process.run_module("labkit.fused_loss", json.dumps({"kinds": kinds, "sizes": asdict(sizes)}),
+                                     env=fresh_process.PEAK_ALLOCATOR_ENV, what="memory probe")
     return [PeakMemory(k, peaks[k], "resident-set high-water mark (VmHWM), fresh process") for k in kinds]
 
 

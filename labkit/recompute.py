@@ -29,9 +29,7 @@ as :mod:`labkit.fused_loss` measures its peak.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from labkit import fresh_process
 from labkit.devices import peak_added_bytes
 from labkit.profiles import require_at_least
 
@@ -199,7 +198,7 @@ def times_here(size: RecomputeSize, device: str = "cpu") -> dict:
             "spread": {k: statistics.median(v) / min(v) for k, v in steps.items()}}
 
 
-PEAK_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+PEAK_ALLOCATOR_ENV = fresh_process.PEAK_ALLOCATOR_ENV
 """The peak probe's allocator: every allocation over 64 KiB its own mapping, so the resident-set high-water mark
 follows what is alive. Its steps also pay a page fault for every page they allocate, so the times are taken in
 another process (:data:`TIMES_ALLOCATOR_ENV`): timed in the peak probe, a plain step took 66 ms against 38 ms,
@@ -238,11 +237,8 @@ def measure_peaks(size: RecomputeSize, *, device: str = "cpu") -> dict[str, int]
 
 def _probe(size: RecomputeSize, part: str, env: dict[str, str]):
     """``peaks_here`` or ``times_here`` in a fresh one-threaded process with ``env`` added."""
-    out = subprocess.run([sys.executable, "-m", "labkit.recompute", json.dumps(asdict(size)), part],
-                         env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"checkpointing probe ({part}) failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process.run_module("labkit.recompute", json.dumps(asdict(size)), part,
+                                    env={**env, "OMP_NUM_THREADS": "1"}, what=f"checkpointing probe ({part})")
 
 
 def _main(argv: list[str]) -> None:

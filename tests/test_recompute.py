@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from labkit import recompute
+from labkit import fresh_process, recompute
 
 SMALL = recompute.RecomputeSize(blocks=3, width=8, tokens=16, repeats=1)
 
@@ -55,7 +55,7 @@ def test_cpu_steps_are_timed_apart_from_the_peak_probes_allocator(monkeypatch):
                {"step_ms": {kind: 1.0 for kind in recompute.KINDS}, "forward_ms": 0.5, "spread": {}})
         return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(out), stderr="")
 
-    monkeypatch.setattr(recompute.subprocess, "run", fake_run)
+    monkeypatch.setattr(fresh_process.subprocess, "run", fake_run)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     recompute.measure(SMALL)
     envs = dict(calls)
