@@ -292,5 +292,8 @@ def mean_by(frame: daft.DataFrame, key: str, value: str) -> dict[object, float]:
 
 
 if __name__ == "__main__":   # the fresh process of decode_peaks
+    # Run through the importable module, not this __main__ copy of it, so a patched decoder is the one measured.
+    from labkit import catalog
+
     _args = json.loads(sys.argv[1])
-    print(json.dumps(asdict(_decode_peaks_here(_args["paths"], _args["batch"]))))
+    print(json.dumps(asdict(catalog._decode_peaks_here(_args["paths"], _args["batch"]))))

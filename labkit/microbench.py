@@ -229,12 +229,16 @@ def measure_matmul_flops(device: torch.device | str, n: int, dtype: str = "float
     return max(square_matmul_flops(device, size, dtype, repeats=repeats) for size in sorted({max(1, n // 2), n}))
 
 
+def square_operands(device: torch.device | str, n: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random ``n x n`` matrices of ``dtype`` on ``device``: a square matmul's inputs."""
+    tdtype = torch_dtype(dtype)
+    return tuple(torch.randn(n, n, device=torch.device(device)).to(tdtype) for _ in range(2))
+
+
 def square_matmul_flops(device: torch.device | str, n: int, dtype: str = "float32", *, repeats: int = 5) -> float:
     """Best FLOP/s of one ``n x n @ n x n`` matmul."""
     device = torch.device(device)
-    tdtype = torch_dtype(dtype)
-    a = torch.randn(n, n, device=device).to(tdtype)
-    b = torch.randn(n, n, device=device).to(tdtype)
+    a, b = square_operands(device, n, dtype)
     with matmul_precision(roofline.dtype_name(dtype)):
         ms = best_ms(lambda: a @ b, device, warmup=2, repeats=repeats)
     return roofline.matmul(n, n, n, dtype).flops / (ms / 1e3)

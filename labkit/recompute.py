@@ -206,7 +206,8 @@ and checkpointing cost 1.15-1.18x against a model of 1.29x in nine runs (1.12x o
 faults diluting the recomputation; with the default allocator, 1.22-1.28x against 1.28-1.30x in three."""
 
 
-TIMES_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+TIMES_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                       "OMP_NUM_THREADS": "1"}
 """The time probe's allocator: freed blocks stay in the heap and the next step reuses them, so a step's CPU time
 is its compute, not page faults that come and go with glibc's sliding mmap threshold. With the default allocator
 checkpointing measured 0.90-1.20x the model (1.147x-1.56x the plain step, failing both asserts once each in
@@ -236,9 +237,9 @@ def measure_peaks(size: RecomputeSize, *, device: str = "cpu") -> dict[str, int]
 
 
 def _probe(size: RecomputeSize, part: str, env: dict[str, str]):
-    """``peaks_here`` or ``times_here`` in a fresh one-threaded process with ``env`` added."""
-    return fresh_process.run_module("labkit.recompute", json.dumps(asdict(size)), part,
-                                    env={**env, "OMP_NUM_THREADS": "1"}, what=f"checkpointing probe ({part})")
+    """``peaks_here`` or ``times_here`` in a fresh process with ``env`` added (each allocator env sets one thread)."""
+    return fresh_process.run_module("labkit.recompute", json.dumps(asdict(size)), part, env=env,
+                                    what=f"checkpointing probe ({part})")
 
 
 def _main(argv: list[str]) -> None:

@@ -14,15 +14,13 @@ import torch
 
 from labkit import roofline
 from labkit.devices import synchronize
-from labkit.microbench import matmul_precision, torch_dtype
+from labkit.microbench import matmul_precision, square_operands
 
 
 def plain_matmul_flops(device: torch.device | str, n: int, dtype: str = "float32", *, iterations: int = 10) -> float:
     """The reference the microbenchmark must match: a bare loop of ``a @ b``, one sync at the end."""
     device = torch.device(device)
-    tdtype = torch_dtype(dtype)
-    a = torch.randn(n, n, device=device).to(tdtype)
-    b = torch.randn(n, n, device=device).to(tdtype)
+    a, b = square_operands(device, n, dtype)
     with matmul_precision(roofline.dtype_name(dtype)):
         a @ b
         synchronize(device)
