@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import torch
 from PIL import Image
@@ -159,6 +160,25 @@ def columnar(table: pa.Table, log: ReaderLog, *, image_px: int, seed: int, epoch
 CONVERSIONS = {"row-wise": rowwise, "columnar": columnar}
 
 
+def read_pool() -> pa.MemoryPool:
+    """The Arrow memory pool the readers read through: jemalloc where this pyarrow has it, else the system's malloc.
+
+    Not Arrow's default, mimalloc, on purpose: it backs its first arenas with
+    transparent huge pages, and on the 2-core VM this course is tested on the host
+    fills each fresh 2 MB page slowly. Read through mimalloc, the first two row groups
+    a process read took 1.4 s and 0.7-0.8 s instead of about 0.1 s (1300-1400 huge-page
+    faults in two epochs of each reader, against 14 through jemalloc), so whichever
+    reader ran first was charged that as its read: 5.7 ms an image row-wise against
+    0.8 columnar in one run of Lab 1, where both read the same file. Through jemalloc
+    every row group took 0.08-0.31 s, whichever reader ran first; the system's malloc
+    0.22-0.29 s, a fresh mapping for each row group.
+    """
+    try:
+        return pa.jemalloc_memory_pool()
+    except NotImplementedError:   # a pyarrow built without jemalloc (macOS wheels)
+        return pa.system_memory_pool()
+
+
 class ParquetBatches:
     """One epoch of the Parquet slice, a row group per batch, the row groups in a seeded shuffled order."""
 
@@ -172,10 +192,11 @@ class ParquetBatches:
         self.image_px, self.log, self.seed, self.epoch = image_px, log, seed, epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        parquet = pq.ParquetFile(self.path)
-        for group in shuffled_order(parquet.num_row_groups, self.seed, self.epoch):
+        (fragment,) = ds.dataset(self.path, format="parquet").get_fragments()
+        groups, pool = fragment.split_by_row_group(), read_pool()
+        for group in shuffled_order(len(groups), self.seed, self.epoch):
             with self.log.timing("read"):
-                table = parquet.read_row_group(int(group))
+                table = groups[int(group)].to_table(memory_pool=pool)
             batch = self.convert(table, self.log, image_px=self.image_px, seed=self.seed, epoch=self.epoch)
             self.log.delivered(batch)
             yield batch
