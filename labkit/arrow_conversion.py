@@ -141,7 +141,8 @@ def rowwise(table: pa.Table, log: ReaderLog, *, image_px: int, seed: int, epoch:
 def columnar(table: pa.Table, log: ReaderLog, *, image_px: int, seed: int, epoch: int) -> Batch:
     """A columnar conversion: the pixel column's Arrow buffer viewed as NumPy, no per-row Python objects."""
     with log.timing("convert"):
-        column = table.column("pixels").combine_chunks()
+        pixels = table.column("pixels")   # a row group reads as one chunk: viewed, not copied
+        column = pixels.chunk(0) if pixels.num_chunks == 1 else pixels.combine_chunks(memory_pool=read_pool())
         values = column.values.to_numpy(zero_copy_only=True)
         offsets = column.offsets.to_numpy()
         heights, widths = table.column("height").to_numpy(), table.column("width").to_numpy()
