@@ -8,12 +8,12 @@ the machine), and every epoch still pays for
 
 * **read**: Parquet pages from the disk to Arrow columns (decompress, and unpack
   the array column's one level per value: about 0.7 ms per 226-px image here
-  from the page cache, 0.8-3.1 ms from the disk);
+  from the page cache, 0.7-1.5 ms from the disk in ten runs of Lab 1);
 * **convert**: Arrow to the tensors the model takes. Row by row
   (:func:`rowwise`), each row becomes Python objects (``to_pylist``) and then a
-  NumPy array, one Python int per pixel (3.7-4.4 ms an image in ten runs of Lab 1
-  on a 2-core box); by columns (:func:`columnar`) the pixel column's buffer is
-  viewed as NumPy without a copy (0.013-0.030 ms);
+  NumPy array, one Python int per pixel (3.5-3.6 ms an image in those runs, on a
+  2-core box); by columns (:func:`columnar`) the pixel column's buffer is viewed
+  as NumPy without a copy (0.002-0.003 ms);
 * **resize** to the training resolution (per image in both: the rows differ in shape);
 * **augment**: a random flip, per sample row by row, on the batch by columns.
 
@@ -164,15 +164,16 @@ CONVERSIONS = {"row-wise": rowwise, "columnar": columnar}
 def read_pool() -> pa.MemoryPool:
     """The Arrow memory pool the readers read through: jemalloc where this pyarrow has it, else the system's malloc.
 
-    Not Arrow's default, mimalloc, on purpose: it backs its first arenas with
-    transparent huge pages, and on the 2-core VM this course is tested on the host
-    fills each fresh 2 MB page slowly. Read through mimalloc, the first two row groups
-    a process read took 1.4 s and 0.7-0.8 s instead of about 0.1 s (1300-1400 huge-page
-    faults in two epochs of each reader, against 14 through jemalloc), so whichever
-    reader ran first was charged that as its read: 5.7 ms an image row-wise against
-    0.8 columnar in one run of Lab 1, where both read the same file. Through jemalloc
-    every row group took 0.08-0.31 s, whichever reader ran first; the system's malloc
-    0.22-0.29 s, a fresh mapping for each row group.
+    Not Arrow's default, mimalloc, on purpose: it backs its arenas with transparent
+    huge pages, and on the 2-core VM this course is tested on, fresh memory is slow
+    to touch now and then (128 MB took 17-20 ms in four tries of six, 340-540 ms in
+    two). Read through mimalloc, the first two row groups a process read took
+    1.3-1.5 s and 0.6-0.8 s instead of about 0.1 s (1340-1410 huge-page faults over
+    six epochs, against 14 through jemalloc), so whichever reader ran first was
+    charged that as its read: 5.7 ms an image row-wise against 0.8 columnar in one
+    run of Lab 1, where both read the same file. Through jemalloc every row group
+    took 0.08-0.32 s, whichever reader ran first; through the system's malloc
+    0.21-0.32 s, a fresh mapping for each row group.
     """
     try:
         return pa.jemalloc_memory_pool()

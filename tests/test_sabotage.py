@@ -222,7 +222,8 @@ SABOTAGES = [
         arrow_conversion.write_slice = lambda paths, labels, target, **kwargs: _write(
             paths, labels, str(target) + ".8px", **kwargs)
     """, fails_at="parquet-assert", says="converting is the row-wise reader's largest stage",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"), trim=TRIM_LAB1_SMALL_PARQUET),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "parquet-run"),
+             trim=TRIM_LAB1_STAND_IN + TRIM_LAB1_SMALL_PARQUET),
     Sabotage("01_input_pipeline", "the Parquet reader converts the whole epoch while the first batch is awaited", """
         from labkit import arrow_conversion
         _iter = arrow_conversion.ParquetBatches.__iter__
