@@ -20,11 +20,11 @@ def test_unknown_lab_lists_the_valid_ones():
 
 
 def test_report_shows_the_failing_lab_with_its_error(tmp_path):
-    figure = results.Figure(1, "busy fraction, slice in RAM", 0.93, "", reported="about 0.85 (A100s, RAM slice)")
+    figure = results.Figure(1, "training speed of the fix", 31.5, "x", reported="7.3x (a shorter job)")
     runs = [LabRun(LABS[0], True, 12.0, figures=[figure]), LabRun(LABS[1], False, 3.0, error="AssertionError: boom")]
     md, html = write_report(runs, tmp_path)
     text = md.read_text()
-    assert "| 1 input_pipeline | passed |" in text and "0.93" in text and "about 0.85 (A100s" in text
+    assert "| 1 input_pipeline | passed |" in text and "31.5" in text and "7.3x (a shorter job)" in text
     assert "**FAILED**" in text and "AssertionError: boom" in text and "1 of 2 labs passed" in text
     assert "AssertionError: boom" in html.read_text()
 
