@@ -89,20 +89,28 @@ def workers_needed(accelerator_images_per_s: float, per_worker_images_per_s: flo
     return int(np.ceil(target_busy * accelerator_images_per_s / per_worker_images_per_s))
 
 
-def loader_explorer(per_worker_images_per_s: float):
-    """Sliders: how fast is your accelerator, how many workers? -> the busy fraction decoding allows."""
+def loader_explorer(per_worker_images_per_s: float, *, accelerator_images_per_s: float = 8000, workers: int = 2):
+    """Sliders: how fast is your accelerator, how many workers? -> the busy fraction decoding allows (modelled).
+
+    The sliders start at ``accelerator_images_per_s`` and ``workers``: a lab passes
+    what it measured and ran, so the first answer is about its own machine.
+    """
     import ipywidgets as widgets
 
     from labkit.widgets import live
 
+    if accelerator_images_per_s <= 0 or workers < 0:
+        raise ValueError(f"accelerator_images_per_s must be > 0 and workers >= 0, got {accelerator_images_per_s} "
+                         f"and {workers}")
+
     def render(accelerator_images_per_s: float, workers: int) -> str:
         busy = loader_bound_busy_fraction(accelerator_images_per_s, per_worker_images_per_s, workers)
         need = workers_needed(accelerator_images_per_s, per_worker_images_per_s)
-        return (f"decode-bound busy fraction: {busy:.2f}; workers (cores) needed for 0.95: "
+        return (f"modelled: decode-bound busy fraction {busy:.2f}; workers (each with a core) needed for 0.95: "
                 f"{need} at {per_worker_images_per_s:.0f} images/s per worker")
 
     return live(render, {
-        "accelerator_images_per_s": widgets.FloatLogSlider(value=8000, base=10, min=2, max=5.5,
+        "accelerator_images_per_s": widgets.FloatLogSlider(value=accelerator_images_per_s, base=10, min=2, max=5.5,
                                                            description="accel img/s"),
-        "workers": widgets.IntSlider(value=2, min=0, max=64, description="workers"),
+        "workers": widgets.IntSlider(value=workers, min=0, max=64, description="workers"),
     })

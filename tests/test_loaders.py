@@ -136,7 +136,10 @@ def test_decode_bound_busy_fraction_is_supply_over_demand():
 
 def test_loader_explorer_shows_the_pure_functions_answer():
     current = decode_overlap.loader_explorer(1000)
-    assert "busy fraction: 0.25" in current() and "needed for 0.95: 8 " in current()
+    assert "modelled: decode-bound busy fraction 0.25" in current() and "needed for 0.95: 8 " in current()
+    assert "busy fraction 0.50" in decode_overlap.loader_explorer(1000, accelerator_images_per_s=2000, workers=1)()
+    with pytest.raises(ValueError, match="accelerator_images_per_s must be > 0"):
+        decode_overlap.loader_explorer(1000, accelerator_images_per_s=0)
 
 
 def test_gpu_profiles_start_one_loader_worker_per_core_we_may_use():
