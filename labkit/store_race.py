@@ -65,7 +65,13 @@ class StoreRun:
                 "connections": self.connections, "in_flight": round(self.in_flight, 1)}
 
     def little_bound(self) -> float:
-        """The most images/s its requests in flight allow when each waits ``latency_ms`` (Little's law)."""
+        """Images/s by Little's law from the requests in flight counted in the server's log, over ``latency_ms``.
+
+        Not a prediction: ``in_flight`` is measured, so ``images_per_s / little_bound()``
+        is ``latency_ms`` over the mean time a request waited in the server. Near 1,
+        each request waited about the set latency: the rate is set by the requests in
+        flight, not by the server; below 1, the server took longer than the latency.
+        """
         if self.latency_ms <= 0:
             raise ValueError("with no latency a request costs no time: no bound")
         return self.in_flight * 1e3 / self.latency_ms
@@ -107,7 +113,7 @@ class Race:
         runs = [self.run(loader, self.latency_ms) for loader in LOADERS]
         most = 1.2 * max(run.in_flight for run in runs)
         little.plot([0, most], [0, most * 1e3 / self.latency_ms], "k--",
-                    label=f"modelled: in flight / {self.latency_ms:g} ms (Little's law)")
+                    label=f"Little's law: in flight (from the log) / {self.latency_ms:g} ms")
         decode_bound = max(self.run(loader, 0.0).images_per_s for loader in LOADERS)
         little.axhline(decode_bound, color=plots.BASELINE, linestyle=":",
                        label="measured: fastest rate with no latency (the decode)")
