@@ -146,7 +146,9 @@ def hierarchy_sentences(sweep: CacheSweep) -> list[str]:
     inside = max(sweep.in_cache(), key=lambda p: p.bytes_per_s)
     outside = max(sweep.beyond_caches(), key=lambda p: p.bytes_per_s)
     last = max(sweep.caches, key=sweep.caches.get)
-    return [f"A working set inside L2 was read at up to {inside.bytes_per_s / 1e9:.1f} GB/s "
+    level = min((name for name, size in sweep.caches.items() if size >= inside.working_set_bytes),
+                key=sweep.caches.get, default=last)  # the smallest cache that holds the fastest working set
+    return [f"A working set inside {level} was read at up to {inside.bytes_per_s / 1e9:.1f} GB/s "
             f"({size_label(inside.working_set_bytes)}), {times(inside.bytes_per_s, outside.bytes_per_s)} than one of "
             f"four times the last cache or more ({outside.bytes_per_s / 1e9:.1f} GB/s at "
             f"{size_label(outside.working_set_bytes)}; {last} holds {size_label(sweep.caches[last])}).",

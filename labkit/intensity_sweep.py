@@ -80,7 +80,8 @@ def measure(device: torch.device | str, dtype: str | None = None,
     """``x [M, K] @ w [K, K]`` for rising K, with ``M * K`` fixed.
 
     Every call moves about the same bytes (x in, the result out) while its FLOPs
-    grow with K, so intensity is about K / (2 x element size): a knob from far
+    grow with K, so intensity is about K / element size (``2MK^2`` FLOPs over
+    ``(2MK + K^2)`` elements): a knob from far
     below the ridge to far above it, with one kernel per call. Memory-bound
     points should climb with intensity and compute-bound ones flatten at the
     compute roof. A real kernel turns later than the roofline's corner: how
@@ -89,8 +90,9 @@ def measure(device: torch.device | str, dtype: str | None = None,
     The two roofs are measured here, taking turns with the points round by round.
     Each roof keeps its best round and each point its median round, so one
     quiet moment of a shared machine does not set a point. Points may still
-    beat the memory roof by STREAM's uncounted write-allocate reads
-    (:data:`~labkit.microbench.WRITE_ALLOCATE_ALLOWANCE`): on a busy host, skinny
+    beat the memory roof by STREAM's uncounted write-allocate reads and the noise
+    (:data:`~labkit.microbench.MOST_OVER_MEMORY_ROOF`, the allowance
+    :meth:`IntensitySweep.over_memory_roof` asserts): on a busy host, skinny
     matmuls ran 1.29-1.40x the roof, once in their median round. The memory
     roof is the run's one :class:`MemoryRoof` when one is given. Roofs timed a minute earlier on a shared
     machine can be ones no point of a busier minute reaches: a CI run found no

@@ -162,7 +162,10 @@ class MemoryRoof:
     """The run's one memory roof: the best bandwidth any of its streaming measurements reached.
 
     Every experiment of Lab 3 measures it again, taking turns with its own points,
-    and all of them read this one figure: on a shared machine a roof timed once, at
+    and every upper bound (nothing beats the roof) reads this one figure, the best;
+    lower bounds (an op streams most of the roof, the fused chain's points against
+    intensity x the roof) are set against the roof measured in the same round
+    (:meth:`measure_now`), the median round kept. On a shared machine a roof timed once, at
     a busy moment, sits below what the ops of a quieter moment move (a run here
     printed 31.6 GB/s at the start while its sweep's roof, timed later, reached 56).
     The preallocated residual add and ReLU are STREAM's own add and scale kernels
