@@ -274,7 +274,8 @@ def crossover_sentences(result: CrossoverResult) -> list[str]:
             f"than one rank ({result.samples_per_s(longest) / result.ceiling_samples_per_s:.0%} of the ceiling); "
             f"over {min(result.sizes.windows)} micro-batch, "
             f"{times(result.samples_per_s(min(result.sizes.windows)), alone)}.",
-            ("Two ranks first beat one at a window of " + f"{measured}" if measured else
+            ("Two ranks first beat one at a window of " + f"{measured} "
+             f"({result.samples_per_s(measured) / alone:.3f}x one rank alone)" if measured else
              "Two ranks never beat one in this sweep") + "; the model, from one sync's cost "
             f"({1e3 * result.sync_s():.1f} ms, measured at the shortest window), puts the crossover at "
             + (f"{predicted:.1f} micro-batches." if math.isfinite(predicted) else "no window: no core to spare.")]

@@ -74,7 +74,7 @@ class DeepSpeedRun:
     def describe(self) -> str:
         """Cross-node bytes in M of fp32 weights (the engine trains in fp32 on CPU ranks), intra-node in MB."""
         m_bytes = 4 * self.num_params
-        return (f"{self.config:7s} links: {self.links}; cross-node {self.cross_node_bytes_per_step / m_bytes:.3f}M/step "
+        return (f"{self.config:7s} links: {self.links}; cross-node {self.cross_node_bytes_per_step / m_bytes:.3f}M (fp32)/step "
                 f"{self.cross_node_ops}; intra-node {self.intra_node_bytes_per_step / 1e6:5.2f} MB/step "
                 f"{self.intra_node_ops}")
 

@@ -316,6 +316,6 @@ def time_sentences(result: FabricResult) -> list[str]:
         link = link_over_compute(result, micro_batch)
         said.append(f"Micro-batch {micro_batch}: at {slow:g} Gbit/s ZeRO++ was "
                     f"{times(ratio['ZeRO-3', slow], ratio['ZeRO++', slow])} than ZeRO-3 (ZeRO-3's link time "
-                    f"{link[0]:.1f}x its compute), at {fast:g} Gbit/s {times(ratio['ZeRO-3', fast], ratio['ZeRO++', fast])}"
-                    f" (link time {link[-1]:.2f}x compute).")
+                    f"{link[0]:.1f}x its compute, modelled), at {fast:g} Gbit/s {times(ratio['ZeRO-3', fast], ratio['ZeRO++', fast])}"
+                    f" (link time {link[-1]:.2f}x compute, modelled).")
     return said

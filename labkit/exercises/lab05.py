@@ -61,7 +61,7 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
     link through :class:`labkit.ddp_overlap.HandBuckets`, which launches each bucket
     once its gradients exist and every earlier bucket has been launched, as DDP does;
     the wait after backward's last gradient is measured against one bucket. In order
-    of backward (last layer first) the wait was about half of one bucket's (:data:`WAIT_SHARE_LIMIT`);
+    of backward (last layer first) the wait was well under one bucket's (:data:`WAIT_SHARE_LIMIT`);
     in forward order nothing can start before backward ends (about 1).
     """
     from labkit.ddp_overlap import SIZES as OVERLAP_SIZES, hand_buckets_rank
@@ -87,8 +87,9 @@ def bucketing(answer, *, ranks: int = 2) -> bool | None:
                            hidden=sizes_.hidden, layers=sizes_.layers, batch=sizes_.batch, steps=4,
                            rate_gbit=sizes_.rate_gbit)[0]
         share = timed["yours"] / timed["one bucket"]
+        whose = "your" if rule is answer else f"{rule.__module__}.{rule.__name__}:"
         print(f"  on {ranks} ranks at {sizes_.rate_gbit:g} Gbit/s: wait after the last gradient with one bucket "
-              f"{timed['one bucket'] * 1e3:.1f} ms, with your {len(buckets)} bucket(s) {timed['yours'] * 1e3:.1f} ms "
+              f"{timed['one bucket'] * 1e3:.1f} ms, with {whose} {len(buckets)} bucket(s) {timed['yours'] * 1e3:.1f} ms "
               f"({share:.0%})")
         if share > WAIT_SHARE_LIMIT:
             return (f"your buckets left {share:.0%} of the one-bucket wait: is the first bucket one that backward "
