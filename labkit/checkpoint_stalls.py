@@ -324,12 +324,12 @@ def resume_experiment(
 def timeline_spans(run: TrainingRun) -> list[tuple[str, float, float, str]]:
     """Rows for ``labkit.plots.timeline`` (milliseconds): steps, blocked time, background writes,
     and the wait for the final write after the last step, so the timeline ends where the run does."""
-    from labkit.plots import BASELINE, FIX, WARN
+    from labkit.plots import BASELINE, FIX, PALETTE, WARN
 
     spans = [("training step", s * 1e3, d * 1e3, FIX) for s, d in run.step_spans]
     spans += [("training blocked by save", s * 1e3, d * 1e3, WARN) for s, d in run.blocked_spans]
-    if run.drain_s > 0:
-        spans.append(("training blocked by save", run.wall_s * 1e3, run.drain_s * 1e3, WARN))
+    if run.drain_s > 0:   # after the last step: no training is left to block, the run waits for the commit
+        spans.append(("waiting for the last write to commit", run.wall_s * 1e3, run.drain_s * 1e3, PALETTE[1]))
     spans += [("background write", s * 1e3, d * 1e3, BASELINE) for s, d in run.write_spans]
     return spans
 

@@ -142,7 +142,7 @@ def plan_text(seconds_per_gb: dict[str, float], state_gb: float, mtbf_h: float, 
     for name, plan in scenario.plans(seconds_per_gb).items():
         cost_s = seconds_per_gb[name] * state_gb
         lines.append(f"{name:>5}: cost {cost_s:7.1f} s -> save every {plan.interval_s / 60:6.1f} min, "
-                     f"lose {plan.lost_work_per_failure_s / 60:5.1f} min per failure, goodput {plan.goodput:.4f}")
+                     f"lose {plan.lost_work_per_failure_s / 60:5.1f} min per failure, modelled goodput {plan.goodput:.4f}")
     return "\n".join(lines)
 
 
@@ -248,7 +248,7 @@ def interval_sweep(
 
 def plot_interval_sweep(sweep: list[SweepPoint], reference: tuple[str, float] | None = None):
     """Modelled goodput against the interval: the first-order model as a line, a Monte-Carlo of the same
-    failure model as points. ``reference`` (label, goodput) draws a reported figure as a dotted line.
+    failure model as points. ``reference`` (label, goodput) draws a figure from elsewhere as a dotted line.
 
     The y-axis starts at 0.85 (lower if a point falls below), so differences of a
     fraction of a percent look as small as they are.

@@ -20,7 +20,7 @@ their goodput set against the baseline's time for as many steps: 7.9-10.0 s for 
 own clock, at a seeded uniform point of the window, the same points for every interval. That is the
 model's failure rate with its arrivals spread evenly; a Poisson process would need many more failures
 per run to average the work a failure loses. The MTBF is set from a save timed before the runs
-(``mtbf_over_optimum`` times the Young/Daly interval it implies), so the optimum lands in the middle of
+(``mtbf_over_optimum`` times the Young/Daly interval it implies), so that save's optimum lands in the middle of
 the three intervals on any machine. A real job also restarts its processes after a failure (Lab 8
 measures that in its faulted run); that costs the same at every interval, so here a failure costs the
 reload and the redone steps only.
@@ -313,12 +313,15 @@ class IntervalExperiment:
         return all(run.weights_sha256 == run.baseline_sha256 for run in self.runs)
 
     def describe(self) -> str:
-        c = self.costs
+        c, cal = self.costs, self.calibration
         lines = [f"measured in the loops: step {c.step_s * 1e3:.2f} ms, save {c.save_s * 1e3:.2f} ms, reload "
-                 f"{c.reload_s * 1e3:.2f} ms; emulated MTBF {c.mtbf_s:.2f} s; Young/Daly interval {c.optimum_s * 1e3:.0f} ms"]
+                 f"{c.reload_s * 1e3:.2f} ms; emulated MTBF {c.mtbf_s:.2f} s; Young/Daly interval from the loops' "
+                 f"saves {c.optimum_s * 1e3:.0f} ms",
+                 f"calibration save before the loops {cal.save_s * 1e3:.2f} ms: Young/Daly interval "
+                 f"{cal.optimum_s * 1e3:.0f} ms, the middle interval's setting (the others are set as multiples of it)"]
         for run in self.runs:
             lines.append(
-                f"every {run.interval_s * 1e3:4.0f} ms of steps (x{run.factor:g} the optimum): "
+                f"every {run.interval_s * 1e3:4.0f} ms of steps (x{run.factor:g} the calibrated interval): "
                 f"{run.saves:3d} saves {run.save_s:4.2f} s, {run.failures:2d} failures, {run.redone_steps:4d} steps "
                 f"redone, reloads {run.reload_s:4.2f} s; {run.elapsed_s:4.2f} s against the baseline's "
                 f"{run.baseline_s:4.2f} s: goodput measured {run.goodput:.3f}, modelled {self.modelled(run):.3f}")
@@ -416,7 +419,8 @@ def plot(ax, experiment: IntervalExperiment) -> None:
             label="modelled: Young/Daly, fed with the loops' measured costs")
     ax.plot([r.interval_s * 1e3 for r in runs], [r.goodput for r in runs], "o", color=plots.FIX, markersize=9,
             label="measured: training loops that save and fail")
-    ax.axvline(costs.optimum_s * 1e3, color=plots.GOOD, lw=1, ls="--", label="modelled optimum sqrt(2 x save x MTBF)")
+    ax.axvline(costs.optimum_s * 1e3, color=plots.GOOD, lw=1, ls="--",
+               label="modelled optimum sqrt(2 x save x MTBF),\nwith the loops' mean save")
     ax.set_xscale("log")
     ax.set_ylim(0.5, 1.0)
     ax.set_xlabel("checkpoint interval (ms of work between saves)")

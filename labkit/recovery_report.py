@@ -317,7 +317,8 @@ def recovery_costs(report: RunReport, breakdown: GoodputBreakdown) -> RecoveryCo
 
 
 def plot_goodput(report: RunReport, breakdown: GoodputBreakdown):
-    """Left: a timeline of the run by category. Right: where the wall time went."""
+    """Left: a timeline of the run by category, each failure marked where it was detected. Right: where the
+    wall time went."""
     from labkit import plots
 
     fig, (timeline_ax, bar_ax) = plots.figure(2, width=14, height=3.8)
@@ -344,7 +345,7 @@ def plot_goodput(report: RunReport, breakdown: GoodputBreakdown):
     plots.timeline(timeline_ax, spans, title="rank 0 over the run", xlabel="time since start (s)")
     for det in report.detections:
         timeline_ax.axvline(det.t_detect - report.t_start, color=plots.WARN, lw=0.8, ls=":")
-        timeline_ax.annotate(det.cause, (det.t_detect - report.t_start, -0.45), fontsize=8, color=plots.WARN)
+        timeline_ax.annotate(f"detected: {det.cause}", (det.t_detect - report.t_start, -0.45), fontsize=8, color=plots.WARN)
     parts = breakdown.parts()
     plots.bars(bar_ax, list(parts), list(parts.values()), colors=[colors[k] for k in parts],
                fmt="{:.1f}", ylabel="seconds", title=f"where the wall time went (goodput {breakdown.goodput:.0%})")
