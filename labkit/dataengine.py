@@ -33,6 +33,7 @@ from daft.functions import image_to_tensor, resize
 
 from labkit.accelerator import Accelerator, accelerator_for
 from labkit.devices import cpu_ms_per_item, host_threads
+from labkit.ladder import ACCELERATOR_OVER_LOADER
 from labkit.meter import MeterSummary, StepMeter
 
 
@@ -40,10 +41,8 @@ from labkit.meter import MeterSummary, StepMeter
 class EngineSizes:
     """One profile's experiment sizes.
 
-    ``stand_in_images_per_s`` is the rate the accelerator consumes images at, chosen
-    as in Lab 1 (:func:`labkit.accelerator.accelerator_for`): on a CPU, the stand-in
-    emulation (it waits without using the host CPU); on a GPU, a real model step
-    widened until its measured rate is about this.
+    The accelerator has no size here: :func:`make_accelerator` sizes it from the
+    decode rate measured on this machine, as Lab 1 does.
     ``latency_ms`` is the object store's first-byte latency per request: an emulated condition
     (:mod:`labkit.objectstore`), since this box has no remote bucket.
     ``stage_images`` caps the images whose stage costs are measured: a per-image
@@ -56,7 +55,6 @@ class EngineSizes:
     num_images: int
     image_px: int
     batch_size: int
-    stand_in_images_per_s: float
     rows_per_group: int
     latency_ms: float
     latency_images: int
@@ -68,17 +66,17 @@ class EngineSizes:
 
 SIZES = {
     "ci": EngineSizes(
-        num_images=1_600, image_px=32, batch_size=64, stand_in_images_per_s=5_000.0,
+        num_images=1_600, image_px=32, batch_size=64,
         rows_per_group=128, latency_ms=4.0, latency_images=256, runner_images=512,
         stage_images=1_600,
     ),
     "gpu": EngineSizes(
-        num_images=8_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
+        num_images=8_000, image_px=64, batch_size=256,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=4_096,
         stage_images=2_048, race_images=4_096,
     ),
     "multi-gpu": EngineSizes(
-        num_images=20_000, image_px=64, batch_size=256, stand_in_images_per_s=8_000.0,
+        num_images=20_000, image_px=64, batch_size=256,
         rows_per_group=256, latency_ms=4.0, latency_images=1_024, runner_images=8_192,
         stage_images=2_048, race_images=4_096,
     ),
@@ -263,12 +261,24 @@ def augment_batch(
     return pixels[index, rows[:, :, None], columns[:, None, :]].permute(0, 3, 1, 2).contiguous()
 
 
-def make_accelerator(sizes: EngineSizes, device: torch.device | str) -> Accelerator:
-    """What the loader feeds: on a GPU a real model step, as wide as it measures it must
-    be to run at about ``sizes.stand_in_images_per_s`` at this lab's image size; on a
-    CPU the stand-in emulation. Lab 2 compares loaders with each other, each given
-    every host core; Lab 1's pinned-core model would take one of the two cores here."""
-    return accelerator_for(device, images_per_s=sizes.stand_in_images_per_s, batch_size=sizes.batch_size,
+def make_accelerator(sizes: EngineSizes, device: torch.device | str, *, decode_ms_per_image: float,
+                     loader_cores: int) -> Accelerator:
+    """What the loader feeds, sized as Lab 1 sizes its accelerator: :data:`~labkit.ladder.ACCELERATOR_OVER_LOADER`
+    times what ``loader_cores`` decode at ``decode_ms_per_image`` (a PIL worker's whole path, measured).
+
+    On a GPU a real model step, as wide as it measures it must be to run that fast;
+    on a CPU the stand-in emulation: Lab 2 compares loaders with each other, each given
+    every host core, and Lab 1's pinned-core model would take one of the two cores here.
+    At a fixed 5000 images/s the stand-in ran about as fast as two cores decode, so
+    every feed kept it 0.74-0.95 busy and the tensor cache led the file path by only
+    1.14-1.20x in two runs: inside the spread of a feed measured twice.
+    """
+    if decode_ms_per_image <= 0:
+        raise ValueError(f"decode_ms_per_image must be > 0, got {decode_ms_per_image}")
+    if loader_cores < 1:
+        raise ValueError(f"loader_cores must be >= 1, got {loader_cores}")
+    images_per_s = ACCELERATOR_OVER_LOADER * loader_cores * 1e3 / decode_ms_per_image
+    return accelerator_for(device, images_per_s=images_per_s, batch_size=sizes.batch_size,
                            image_px=sizes.image_px, emulate=True)
 
 

@@ -273,12 +273,17 @@ def test_lab2_on_a_gpu_chooses_its_model_as_lab1_does_not_a_fixed_width_32(monke
     monkeypatch.setattr(accelerator, "ModelStep", lambda device, *, width=32: (str(device), width))
     monkeypatch.setattr(accelerator, "model_width_for", lambda device, **kw: 512)
     sizes = dataengine.SIZES["gpu"]
-    assert dataengine.make_accelerator(sizes, "cuda") == ("cuda", 512)
+    assert dataengine.make_accelerator(sizes, "cuda", decode_ms_per_image=0.5, loader_cores=8) == ("cuda", 512)
 
 
-def test_lab2_on_the_cpu_uses_lab1s_stand_in():
+def test_lab2_on_the_cpu_sizes_lab1s_stand_in_as_lab1_does_from_the_measured_decode():
     from labkit.accelerator import StandInAccelerator
+    from labkit.ladder import ACCELERATOR_OVER_LOADER
 
-    accelerator = dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu")
+    accelerator = dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu", decode_ms_per_image=0.5, loader_cores=2)
     assert isinstance(accelerator, StandInAccelerator)
-    assert accelerator.images_per_s == dataengine.SIZES["ci"].stand_in_images_per_s
+    assert accelerator.images_per_s == pytest.approx(ACCELERATOR_OVER_LOADER * 2 * 1e3 / 0.5)
+    with pytest.raises(ValueError, match="decode_ms_per_image must be > 0"):
+        dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu", decode_ms_per_image=0, loader_cores=2)
+    with pytest.raises(ValueError, match="loader_cores must be >= 1"):
+        dataengine.make_accelerator(dataengine.SIZES["ci"], "cpu", decode_ms_per_image=0.5, loader_cores=0)
