@@ -33,7 +33,7 @@ from daft.functions import image_to_tensor, resize
 
 from labkit.accelerator import Accelerator, accelerator_for
 from labkit.devices import cpu_ms_per_item, host_threads
-from labkit.ladder import ACCELERATOR_OVER_LOADER
+from labkit.ladder import rate_over_loader
 from labkit.meter import MeterSummary, StepMeter
 
 
@@ -263,8 +263,9 @@ def augment_batch(
 
 def make_accelerator(sizes: EngineSizes, device: torch.device | str, *, decode_ms_per_image: float,
                      loader_cores: int) -> Accelerator:
-    """What the loader feeds, sized as Lab 1 sizes its accelerator: :data:`~labkit.ladder.ACCELERATOR_OVER_LOADER`
-    times what ``loader_cores`` decode at ``decode_ms_per_image`` (a PIL worker's whole path, measured).
+    """What the loader feeds, sized as Lab 1 sizes its accelerator (:func:`~labkit.ladder.rate_over_loader`):
+    :data:`~labkit.ladder.ACCELERATOR_OVER_LOADER` times what ``loader_cores`` decode at
+    ``decode_ms_per_image`` (a PIL worker's whole path, measured).
 
     On a GPU a real model step, as wide as it measures it must be to run that fast;
     on a CPU the stand-in emulation: Lab 2 compares loaders with each other, each given
@@ -275,13 +276,8 @@ def make_accelerator(sizes: EngineSizes, device: torch.device | str, *, decode_m
     ran at 9900-12200 images/s in ten runs of Lab 2 on a 2-core box, and the cache led
     Daft from the files by 1.86-2.56x.
     """
-    if decode_ms_per_image <= 0:
-        raise ValueError(f"decode_ms_per_image must be > 0, got {decode_ms_per_image}")
-    if loader_cores < 1:
-        raise ValueError(f"loader_cores must be >= 1, got {loader_cores}")
-    images_per_s = ACCELERATOR_OVER_LOADER * loader_cores * 1e3 / decode_ms_per_image
-    return accelerator_for(device, images_per_s=images_per_s, batch_size=sizes.batch_size,
-                           image_px=sizes.image_px, emulate=True)
+    return accelerator_for(device, images_per_s=rate_over_loader(decode_ms_per_image, loader_cores),
+                           batch_size=sizes.batch_size, image_px=sizes.image_px, emulate=True)
 
 
 def measure_feed(

@@ -86,6 +86,18 @@ share it must beat, against 61-70% with width 8. The widest fast enough picked w
 depend on this choice: it balances compute with decode itself (:meth:`Ladder.balanced_steps`)."""
 
 
+def rate_over_loader(decode_ms_per_image: float, loader_cores: int) -> float:
+    """Images/s of an accelerator sized :data:`ACCELERATOR_OVER_LOADER` times what ``loader_cores`` decode.
+
+    Labs 1 and 2 size their accelerators so, each from a decode cost it measured.
+    """
+    if decode_ms_per_image <= 0:
+        raise ValueError(f"decode_ms_per_image must be > 0, got {decode_ms_per_image}")
+    if loader_cores < 1:
+        raise ValueError(f"loader_cores must be >= 1, got {loader_cores}")
+    return ACCELERATOR_OVER_LOADER * loader_cores * 1e3 / decode_ms_per_image
+
+
 def busy_the_sizing_implies() -> float | None:
     """The most busy a loader that decodes every image should keep the accelerator, by its sizing alone.
 
@@ -127,7 +139,7 @@ def accelerator_for(profile: Profile, sizes: LadderSizes, dataset: Dataset) -> a
     paths, _ = dataset.paths_and_labels()
     decode_ms = loaders.stage_costs(paths[:200], sizes.image_px, repeats=2)["resize"]  # best of 2: noise only slows
     loader_cores = max(1, min(sizes.workers, len(cores[1])))
-    images_per_s = ACCELERATOR_OVER_LOADER * loader_cores * 1e3 / decode_ms
+    images_per_s = rate_over_loader(decode_ms, loader_cores)
     if profile.on_gpu:
         return accel.accelerator_for(profile.device, images_per_s=images_per_s,
                                      batch_size=sizes.batch_size, image_px=sizes.image_px)
