@@ -36,16 +36,16 @@ def threads_at_latency(race: store_race.Race, job: dict, prediction, *, root: st
                                      get_threads=get_threads)
         return run.images_per_s
 
+    bound = race.workers * get_threads * 1e3 / latency_ms   # Little's law: requests in flight over the latency
     return predict("2.1", prediction, what=f"the images/s of the loader with {race.workers} workers and "
                    f"{get_threads} GET threads each, at {latency_ms:g} ms first byte (the race's no-latency "
                    f"rate: {decode_bound:.0f} images/s)", measure=measure,
                    context=(race.workers, get_threads, latency_ms, decode_bound), tolerance=0.3, unit="images/s",
                    explain=lambda got: f"Little's law: {race.workers} x {get_threads} requests in flight over "
-                                       f"{latency_ms:g} ms allow {race.workers * get_threads * 1e3 / latency_ms:.0f} "
+                                       f"{latency_ms:g} ms allow {bound:.0f} "
                                        f"images/s, under the {decode_bound:.0f} the decode allows. The loader stays "
                                        "below the bound: at the end of each batch its threads wait while the last "
-                                       f"images decode (this run: "
-                                       f"{got / (race.workers * get_threads * 1e3 / latency_ms):.2f}x the bound).")
+                                       f"images decode (this run: {got / bound:.2f}x the bound).")
 
 
 def row_groups(path: str | Path, answer, *, column: str = "image_id") -> bool | None:
