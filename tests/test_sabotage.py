@@ -328,6 +328,22 @@ SABOTAGES = [
         representations.cache_batches = lambda path, batch_size: _decode(path, _px, batch_size)
     """, fails_at="5c81458e", says="cache.disk_bytes",
              needs=('ea9b2598', 'ec76baf4', '9134b9d0')),
+    Sabotage("02_data_engine", "the tensor cache's feed decodes the JPEG files again", """
+        from labkit import dataengine, profile, representations
+        _sizes = profile().pick(dataengine.SIZES)
+        _files = representations.file_batches
+        _selected = []
+        _write = representations.write_tensor_cache
+
+        def write_tensor_cache(frame, target, image_px):
+            _selected.append(frame)
+            return _write(frame, target, image_px)
+
+        representations.write_tensor_cache = write_tensor_cache
+        representations.cache_batches = lambda path, batch_size: _files(_selected[-1], _sizes.image_px, batch_size)
+    """, fails_at="525158c7", says="it still decodes",
+             needs=('ea9b2598', 'ec76baf4', '9134b9d0', '5ba0b5c1', 'ea4635fe', '4feeaa4a', '5c81458e', '4b08e460'),
+             alone=True),
     Sabotage("02_data_engine", "the packed file puts every image in its own row group", """
         from labkit import representations
         _packed = representations.write_packed
