@@ -356,6 +356,13 @@ def sync_beyond_compute_ms(result: GradSyncResult, row: SyncRow) -> float:
     return 1e3 * (row.step_s - result.single_device.step_s) / syncs_per_step(row.mode, row.accumulation)
 
 
+def model_sync_ms(result: GradSyncResult, row: SyncRow) -> float:
+    """What the ring model gives one sync of ``row`` on its link, headers included, in ms: the time
+    :func:`sync_beyond_compute_ms` measures, less gloo's own work, which the model leaves out."""
+    topology = two_node_topology(result.world_size, row.rate_gbit)
+    return 1e3 * predicted_s("all_reduce", result.gradient_bytes, topology, result.wire_bytes_per_payload_byte or 1.0)
+
+
 def bytes_sentences(result: GradSyncResult) -> list[str]:
     """What the nodes sent over the run against the ring model, and what the headers added on the wire."""
     framed = result.wire_bytes_per_payload_byte

@@ -211,6 +211,14 @@ def test_each_sync_beyond_compute_counts_syncs_not_ddps_bucket_all_reduces():
     assert gradsync_model.sync_beyond_compute_ms(result, every) == pytest.approx(1e3 * (2.56 - 0.032) / 8)
 
 
+def test_the_models_time_for_one_sync_is_the_gradients_ring_all_reduce_on_the_link_with_framing():
+    """With two ranks a ring all-reduce sends 2 x (2-1)/2 = 1 gradient per rank; framing adds 5% on the wire."""
+    result = _synthetic_result(1.05)
+    for mode in ("sync_every_micro_step", "delayed_sync"):
+        assert gradsync_model.model_sync_ms(result, result.row(0.1, mode)) == pytest.approx(
+            1e3 * 1.05 * GRADIENT_BYTES / (0.1 * GBIT))
+
+
 def test_what_we_saw_takes_its_comparison_words_from_the_values():
     result = _synthetic_result(1.05)
     every = result.row(0.1, "sync_every_micro_step")
