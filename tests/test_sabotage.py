@@ -408,6 +408,18 @@ SABOTAGES = [
             lambda x, bias, residual, scale, out: fusion.unfused_chain(x, bias, residual, scale, out, torch.empty_like(x)))
     """, fails_at="cd563271", says="fused",
              needs=('acb2cc6c', '2edeefe8')),
+    Sabotage("03_memory_movement", "the unfused chain is timed as a no-op that returns its first result", """
+        from labkit import fusion
+        _unfused, _results = fusion.unfused_chain, {}
+
+        def unfused_chain(x, bias, residual, scale, out, scratch):
+            if id(out) not in _results:
+                _results[id(out)] = _unfused(x, bias, residual, scale, out, scratch)
+            return _results[id(out)]
+
+        fusion.unfused_chain = unfused_chain
+    """, fails_at="cd563271", says="more than write-allocate explains",
+             needs=('acb2cc6c', '2edeefe8')),
     Sabotage("03_memory_movement", "the working-set sweep always reads the largest array", """
         from labkit import cache_sweep
         _read = cache_sweep.read_bytes_per_s
