@@ -20,6 +20,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from labkit.course import notebooks_dir, select
+from labkit.launcher import remove_stale_dirs
 
 
 def run_twice(notebook: str, timeout_s: int = 900) -> str:
@@ -35,6 +36,10 @@ def run_twice(notebook: str, timeout_s: int = 900) -> str:
                      if any(out.get("output_type") == "error" for out in cell.get("outputs", [])))
         last = [line for line in str(exc).splitlines() if line.strip()][-1]
         return f"pass {index // count + 1}, cell {index % count}: {last}"
+    finally:
+        # nbclient's plain kernel is SIGTERMed at shutdown before a lab's exit hooks run (labkit run waits for
+        # them: labkit/course/kernel.py); sweep what it left, as labkit run does after every lab
+        remove_stale_dirs()
     return ""
 
 
