@@ -85,6 +85,16 @@ share it must beat, against 61-70% with width 8. The widest fast enough picked w
 9 of 10 runs (7 in one), and the data share was 62-72%. The worker sweep does not
 depend on this choice: it balances compute with decode itself (:meth:`Ladder.balanced_steps`)."""
 
+DRAFT_BELOW_CACHE = 0.9
+"""Draft decode's busy fraction stays under this share of the transformed cache's.
+
+Draft decode still decodes every image on the loader's cores, only fewer pixels: it
+ran 1.5-2.3x full decode's images/s on the 2-core box, so with the accelerator
+sized at :data:`ACCELERATOR_OVER_LOADER` it can keep it at most about 2.3 / 3 busy.
+In ten runs of Lab 1 draft decode ran 1.60-1.80x full decode and kept the accelerator
+0.45-0.72 busy against the cache's 0.95-0.97: 0.47-0.74 of it. A draft path that
+skips the decode and feeds the cache's tensors gave 0.99-1.00 in three runs."""
+
 
 def rate_over_loader(decode_ms_per_image: float, loader_cores: int) -> float:
     """Images/s of an accelerator sized :data:`ACCELERATOR_OVER_LOADER` times what ``loader_cores`` decode.

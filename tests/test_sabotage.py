@@ -87,11 +87,6 @@ TRIM_LAB1_SMALL_PARQUET = """
     from labkit import ladder
     ladder.SIZES = {name: dataclasses.replace(size, parquet_images=256) for name, size in ladder.SIZES.items()}
 """
-TRIM_LAB1_ONE_DRAFT_ROUND = """
-    from labkit import ladder
-    _draft_comparison = ladder.Ladder.draft_comparison
-    ladder.Ladder.draft_comparison = lambda self, rounds=2: _draft_comparison(self, rounds=1)
-"""
 TRIM_LAB2_SHORT_RACE = """
     import dataclasses
     from labkit import dataengine, store_race
@@ -275,7 +270,15 @@ SABOTAGES = [
         _file_loader = loaders.file_loader
         loaders.file_loader = lambda *args, num_workers=0, **kwargs: _file_loader(*args, num_workers=0, **kwargs)
     """, fails_at="cell-23", says="workers overlap decoding with compute",
-             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-22"), trim=TRIM_LAB1_ONE_DRAFT_ROUND),
+             needs=("cell-01", "cell-05", "cell-03", "cell-07", "cell-22")),
+    Sabotage("01_input_pipeline", "draft decode skips the decode and feeds the transformed cache's tensors", """
+        from labkit import ladder
+        _files, _cache = ladder.Ladder.files, ladder.Ladder.transformed_cache
+        def _draft_from_the_cache(self, *, draft=False, **kwargs):
+            return _cache(self)[0] if draft else _files(self, **kwargs)
+        ladder.Ladder.files = _draft_from_the_cache
+    """, fails_at="draft-assert", says="decoding less still leaves the accelerator waiting",
+             needs=("cell-01", "cell-05", "cell-03", "cell-17", "draft-run")),
     Sabotage("01_input_pipeline", "the loader's workers take turns on the store, one GET at a time", """
         import multiprocessing
         from labkit import objectstore
