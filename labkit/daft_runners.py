@@ -3,7 +3,10 @@
 Daft fixes a process's runner on first use, so :func:`compare_runners` runs each in
 a fresh ``python -m labkit.daft_runners`` and compares checksums and times. Ray is
 left out, with the reason, only when it is not installed or ``LABKIT_SKIP_RAY`` is
-set; a Ray that is installed and fails is an error a learner should see.
+set; a Ray that is installed and fails is an error a learner should see. A local Ray
+keeps its session (logs, sockets, spilled objects) in a temporary folder that is
+removed when its runner ends, however it ends: by default Ray leaves every session
+in ``/tmp/ray`` for good.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,11 +62,12 @@ def ray_unavailable_reason() -> str | None:
 
 def run_pipeline(
     catalog: str | Path, *, runner: str, image_px: int, limit: int,
-    ray_address: str | None = None, num_threads: int | None = None,
+    ray_address: str | None = None, num_threads: int | None = None, ray_temp_dir: str | None = None,
 ) -> RunnerResult:
     """Set the runner for this process, run the decode pipeline over ``limit`` rows, checksum it.
 
-    Call once per process: Daft fixes the runner on first use.
+    Call once per process: Daft fixes the runner on first use. ``ray_temp_dir`` is where a
+    local Ray keeps its session (Ray's default: ``/tmp/ray``).
     """
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
@@ -73,7 +78,7 @@ def run_pipeline(
             import ray
 
             # A local Ray without its dashboard starts faster; Daft reuses an initialised Ray.
-            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=num_threads)
+            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=num_threads, _temp_dir=ray_temp_dir)
         daft.set_runner_ray(address=ray_address)
     else:
         use_native_runner(num_threads)
@@ -137,7 +142,9 @@ def compare_runners(
         if ray_address:
             command += ["--ray-address", ray_address]
         start = time.perf_counter()
-        done = _run_runner(command, timeout_s)
+        with tempfile.TemporaryDirectory(prefix="labkit-ray-", ignore_cleanup_errors=True) as session:
+            local_ray = runner == "ray" and not ray_address
+            done = _run_runner(command + (["--ray-temp-dir", session] if local_ray else []), timeout_s)
         if done.returncode != 0:
             hint = (f" A local Ray node did not start in time; on a busy machine retry, or set {SKIP_RAY_ENV}=1 "
                     "to leave Ray out on purpose." if RAY_START_TIMEOUT in done.stderr else "")
@@ -161,11 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ray-address", default=os.environ.get("RAY_ADDRESS"),
         help="an existing Ray cluster (ray://host:10001); default starts a local one",
     )
+    parser.add_argument("--ray-temp-dir", default=None, help="where a local Ray keeps its session (default /tmp/ray)")
     args = parser.parse_args(argv)
     try:
         result = run_pipeline(
             args.catalog, runner=args.runner, image_px=args.image_px, limit=args.limit,
-            ray_address=args.ray_address, num_threads=args.num_threads,
+            ray_address=args.ray_address, num_threads=args.num_threads, ray_temp_dir=args.ray_temp_dir,
         )
     except (CatalogError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,9 +1,12 @@
 """Lab 2's data engine: one pipeline, three representations, the same pixels, honest request counts."""
 
+import json
 import math
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import daft
 import pytest
@@ -166,6 +169,28 @@ def test_ray_skips_with_a_reason_when_asked(monkeypatch, small_dataset):
     monkeypatch.setenv(daft_runners.SKIP_RAY_ENV, "1")
     (result,) = daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
     assert result.skipped and daft_runners.SKIP_RAY_ENV in result.skipped
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_a_local_ray_keeps_its_session_in_a_folder_removed_when_it_ends(monkeypatch, small_dataset, exit_code):
+    """By default Ray leaves each session in /tmp/ray for good; the lab's runs must leave nothing."""
+    sessions = []
+
+    def fake_runner(command, timeout_s):
+        folder = command[command.index("--ray-temp-dir") + 1]
+        (Path(folder) / "session_x" / "logs").mkdir(parents=True)   # what a local Ray writes there
+        sessions.append(Path(folder))
+        result = json.dumps({"runner": "ray", "images": 8})
+        return subprocess.CompletedProcess(command, exit_code, result + "\n", "a Ray that failed")
+
+    monkeypatch.setattr(daft_runners, "ray_unavailable_reason", lambda: None)
+    monkeypatch.setattr(daft_runners, "_run_runner", fake_runner)
+    if exit_code:
+        with pytest.raises(RuntimeError, match="a Ray that failed"):
+            daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
+    else:
+        daft_runners.compare_runners(small_dataset.catalog_path, image_px=8, limit=8, runners=("ray",))
+    assert len(sessions) == 1 and sessions[0].name.startswith("labkit-ray-") and not sessions[0].exists()
 
 
 def test_bad_runner_is_refused_before_any_process_starts(small_dataset):
