@@ -87,14 +87,15 @@ def straggler_detection(work: Path, runs: int) -> None:
         slow = recovery.supervise(work / "straggle", world_size=2, spares=1, faults=[fault], straggler=rule,
                                   straggle_slowdown=slowdown, **size)
         detection = next((d for d in slow.detections if d.fault_id == fault.fault_id), None)
-        caught.append(slow.steps_to_detect(detection) if detection else None)
+        caught.append(slow.steps_to_verdict(detection) if detection else None)
+        acted = slow.steps_to_detect(detection) if detection else None
         false_alarms += len(held_out.false_alarms) + len(slow.false_alarms)
         worst += [stragglers.worst_window_ratio(clean, rule), stragglers.worst_window_ratio(held_out, rule)]
         factors.append(rule.factor)
         seen.append(f"{1 + slowdown:g}x")
         print(f"run {run + 1}/{runs}: healthy jobs' widest gaps {worst[-2]:.3f} (calibration) and {worst[-1]:.3f} "
               f"(held out, {len(held_out.false_alarms)} false alarms); threshold {rule.factor:.3f}; a node doing "
-              f"{1 + slowdown:g}x the work on rank {fault.rank} caught after {caught[-1]} slow steps "
+              f"{1 + slowdown:g}x the work on rank {fault.rank} called after {caught[-1]} slow steps (stopped after {acted}) "
               f"({detection.detail if detection else 'missed'}); load average {load_average()}")
     found = [s for s in caught if s is not None]
     print(f"slow nodes shown: {', '.join(sorted(set(seen)))}; caught in {len(found)}/{runs} runs after "

@@ -41,7 +41,8 @@ class HeartbeatWatch:
     own_s: dict[int, deque] = field(default_factory=dict)
     others_s: dict[int, deque] = field(default_factory=dict)
     nonfinite: dict[int, dict] = field(default_factory=dict)
-    straggler: tuple[int, str] | None = None
+    straggler: tuple[int, str, int] | None = None
+    """(rank, why, the last step the verdict judged): the first straggler the rule found."""
     steps_seen: int = 0
     steps_judged: int = 0
     done: set[int] = field(default_factory=set)
@@ -85,7 +86,7 @@ class HeartbeatWatch:
             if self.straggler is None and self.rule.is_slow(list(own_s), list(others_s)):
                 self.straggler = (rank, f"fastest step {window_ratio(own_s, others_s):.2f}x the other ranks' "
                                         f"over steps {step - self.rule.window + 1}-{step} (threshold "
-                                        f"{self.rule.factor:g}x)")
+                                        f"{self.rule.factor:g}x)", step)
 
 
 def exit_verdict(failed: list[tuple[int, int]], errors: dict[int, dict]) -> tuple[int, str]:

@@ -30,7 +30,7 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from labkit import triage
 from labkit.heartbeat import HeartbeatWatch, exit_verdict, read_new, silence_verdict
@@ -177,6 +177,17 @@ def fresh_run_dir(run_path: Path) -> Path:
     return run_path
 
 
+class Outcome(NamedTuple):
+    """What ended an attempt: the cause, the blamed rank, why, when the supervisor saw it, and, for a
+    straggler, the last step the rule's verdict judged (the supervisor acts a poll or more later)."""
+
+    cause: str
+    rank: int
+    detail: str
+    t: float
+    step: int | None = None
+
+
 def _run_attempts(
     report: RunReport, run_id: str, all_procs: list[subprocess.Popen], *, spares: int, max_restarts: int,
     heartbeat_timeout_s: float, startup_timeout_s: float, straggler: StragglerRule, poll_s: float,
@@ -208,7 +219,7 @@ def _run_attempts(
         if outcome is None:
             return
         _stop_if_no_node_can_help(report, attempt, outcome, judge)
-        cause, rank, detail, _ = outcome
+        cause, rank, detail = outcome.cause, outcome.rank, outcome.detail
         failed_node = _record_detection(report, attempt, outcome, nodes[assignment[rank]])
         if not triage.node_at_fault(cause):
             continue
@@ -234,15 +245,15 @@ def _end_run(report: RunReport, all_procs: list[subprocess.Popen], run_id: str) 
     report.leftover_pids = leftover_processes(run_id)
 
 
-def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, str, float], node: str) -> str:
+def _record_detection(report: RunReport, attempt: int, outcome: Outcome, node: str) -> str:
     """Note the failure (matched to the injected fault that explains it, if any) and cordon its node if a
     fresh node could help (:func:`labkit.triage.node_at_fault`)."""
-    cause, rank, detail, t_detect = outcome
+    cause, rank, detail, t_detect, step = outcome
     fired = [r for r in report.records[attempt].get(rank, []) if r["event"] == "fault"]
     matched = next((r for r in fired if CAUSE_OF_FAULT[r["kind"]] == cause), None)
     report.detections.append(Detection(
         attempt, cause, rank, node, t_detect, detail,
-        matched["fault_id"] if matched else None, matched["t"] if matched else None,
+        matched["fault_id"] if matched else None, matched["t"] if matched else None, step,
     ))
     if triage.node_at_fault(cause):
         report.cordoned.append(node)
@@ -250,10 +261,10 @@ def _record_detection(report: RunReport, attempt: int, outcome: tuple[str, int, 
 
 
 def _stop_if_no_node_can_help(
-    report: RunReport, attempt: int, outcome: tuple[str, int, str, float], judge: triage.RetryJudge
+    report: RunReport, attempt: int, outcome: Outcome, judge: triage.RetryJudge
 ) -> None:
     """Raise RecoveryError, with the rank's traceback, for a failure a spare cannot fix."""
-    cause, rank, _, _ = outcome
+    cause, rank = outcome.cause, outcome.rank
     errors = [r for r in report.records[attempt].get(rank, []) if r["event"] == "error"]
     error = errors[-1] if cause == "exit" and errors else None
     reason = judge.why_stop(cause, rank, error, report.attempts[attempt].t_first_step_end is not None)
@@ -269,8 +280,8 @@ def _watch_attempt(
     report: RunReport, procs: list[subprocess.Popen], attempt: int, heartbeat_timeout_s: float,
     startup_timeout_s: float, straggler: StragglerRule, poll_s: float, progress: Any,
     on_training: Callable[[], None] | None = None,
-) -> tuple[str, int, str, float] | None:
-    """Poll until the attempt succeeds (None) or fails: (cause, blamed rank, detail, time).
+) -> Outcome | None:
+    """Poll until the attempt succeeds (None) or fails (:class:`Outcome`).
 
     ``on_training`` runs once, after the first step: warm spares boot while the job
     trains rather than competing with its restart.
@@ -287,7 +298,7 @@ def _watch_attempt(
         now = time.time()
         if watch.nonfinite:
             rank = min(watch.nonfinite)
-            return "nonfinite", rank, f"loss {watch.nonfinite[rank]['loss']} at step {watch.nonfinite[rank]['step']}", now
+            return Outcome("nonfinite", rank, f"loss {watch.nonfinite[rank]['loss']} at step {watch.nonfinite[rank]['step']}", now)
         codes = [proc.poll() for proc in procs]
         if len(watch.done) == len(procs):
             _wait_for_exit(procs, grace_s=10.0)
@@ -297,16 +308,16 @@ def _watch_attempt(
             drain()  # a NaN report may have landed just before the exit
             if watch.nonfinite:
                 rank = min(watch.nonfinite)
-                return "nonfinite", rank, f"loss {watch.nonfinite[rank]['loss']}", now
-            return ("exit", *exit_verdict(failed, watch.errors), now)
+                return Outcome("nonfinite", rank, f"loss {watch.nonfinite[rank]['loss']}", now)
+            return Outcome("exit", *exit_verdict(failed, watch.errors), now)
         if watch.straggler is not None:
-            return "straggler", watch.straggler[0], watch.straggler[1], now
+            return Outcome("straggler", *watch.straggler[:2], now, step=watch.straggler[2])
         if watch.steps_seen and on_training is not None:
             on_training()
             on_training = None
         silence = silence_verdict(watch, len(procs), now, now - t_launch, heartbeat_timeout_s, startup_timeout_s)
         if silence is not None:
-            return ("hang", *silence, now)
+            return Outcome("hang", *silence, now)
         time.sleep(poll_s)
 
 

@@ -27,6 +27,8 @@ class Detection:
     detail: str
     fault_id: str | None = None
     t_fault: float | None = None
+    step: int | None = None
+    """For a straggler, the last step of the window the rule judged slow; None for other causes."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,16 @@ class RunReport:
             return None
         records = self.records.get(detection.attempt, {}).get(detection.rank, [])
         return sum(1 for r in records if r["event"] == "step" and r["step"] >= fault.step and r["t"] <= detection.t_detect)
+
+    def steps_to_verdict(self, detection: Detection) -> int | None:
+        """Slow steps the straggler rule needed: from its fault's step to the last step of the window it
+        judged slow. The rule's own latency, in steps; :meth:`steps_to_detect` adds the supervisor's
+        reaction (its poll, and any time the machine kept it from running). None for a detection that is
+        not a straggler verdict or that no fault explains."""
+        fault = next((f for f in self.faults if f.fault_id == detection.fault_id), None)
+        if fault is None or detection.step is None:
+            return None
+        return detection.step - fault.step + 1
 
     def redone_steps(self, detection: Detection) -> int:
         """Steps the failed attempt had completed that the next one computed again (from its checkpoint on)."""

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,19 @@ def test_a_rank_30_percent_slower_is_caught_once_its_whole_window_is_slow():
             assert watch.straggler is None, "its window still holds a step at full speed"
     assert watch.straggler is not None and watch.straggler[0] == 1
     assert "1.30x" in watch.straggler[1] and "steps 10-16" in watch.straggler[1]
+    assert watch.straggler[2] == 16, "the verdict names the last step it judged"
+
+
+def test_the_rules_latency_is_counted_to_its_verdict_and_the_supervisors_to_its_action():
+    """A straggler from step 10, judged slow at step 16 of a 7-step window; the supervisor, kept from
+    running, acted only once the rank had finished step 20."""
+    fault = fault_plan.Fault("straggle", rank=1, step=10)
+    det = recovery_report.Detection(0, "straggler", 1, "node1", 20.5, "slow", fault.fault_id, 10.0, step=16)
+    records = {0: {1: [{"event": "step", "step": n, "t": float(n)} for n in range(25)]}}
+    report = recovery_report.RunReport(Path("/nonexistent"), 2, [fault], [], [det], ["node1"], 0.0, 25.0, records)
+    assert report.steps_to_verdict(det) == 7, "the rule needed its window of slow steps"
+    assert report.steps_to_detect(det) == 11, "the supervisor acted four steps later"
+    assert report.steps_to_verdict(replace(det, step=None)) is None, "no step: not a straggler verdict"
 
 
 def test_bursts_on_a_healthy_rank_are_noise_not_a_straggler():

@@ -47,7 +47,8 @@ class Sabotage:
     alone: bool | None = None
     """Whether it runs by itself (marked ``alone``); None: as its lab's others do (:data:`ALONE_LABS`). False
     where the failing assert, and every assert the run meets before it, compares counts, bytes or digests,
-    never a time or a rate; True where what it runs sizes itself from a time (Lab 8's interval experiment)."""
+    never a time or a rate; True where what it runs sizes itself from a time (Lab 8's interval experiment), or
+    where a neighbour's load could move the count it fails on (the steps before Lab 8's straggler verdict)."""
 
 
 # Trims: the failing cell reads only part of what the cells it needs compute (Lab 6's byte counts, not
@@ -617,6 +618,12 @@ SABOTAGES = [
         stragglers.StragglerRule.is_slow = lambda self, own_s, others_s: False
     """, fails_at="straggler-asserts-08", says="the slow rank was caught",
              needs=('48b1b338', '67abeab2', 'straggler-run-08')),
+    Sabotage("08_recovery_and_placement", "the supervisor's watch judges twelve steps more than its rule's window", """
+        import dataclasses
+        from labkit import heartbeat, recovery
+        recovery.HeartbeatWatch = lambda rule: heartbeat.HeartbeatWatch(dataclasses.replace(rule, window=rule.window + 12))
+    """, fails_at="straggler-asserts-08", says="the rule called it a window of slow steps on",
+             needs=('48b1b338', '67abeab2', 'straggler-run-08'), alone=True),
     Sabotage("08_recovery_and_placement", "a threshold set under the drift of healthy ranks", """
         import dataclasses
         from labkit import stragglers

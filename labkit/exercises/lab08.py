@@ -83,7 +83,7 @@ def _replay(rule: StragglerRule, per_step: dict[int, dict[int, float]], fault: f
         for rank, compute_s in per_step[step].items():
             watch.feed(rank, {"event": "step", "t": 0.0, "step": step, "compute_s": compute_s})
         if watch.straggler is not None:
-            rank, detail = watch.straggler
+            rank, detail, _ = watch.straggler
             if fault is not None and rank == fault.rank and step >= fault.step:
                 return None
             return (f"it calls rank {rank} a straggler at step {step} of attempt {attempt}, a healthy rank ({detail}): "
