@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -245,18 +246,23 @@ def test_rewriting_a_step_uncommits_it_before_touching_its_files(tmp_path):
     assert step_dir(tmp_path, 2).name == "step-000000002"
 
 
+@pytest.mark.alone  # an ordering of two timings
 def test_async_save_blocks_training_less_than_sync_and_costs_one_copy_of_host_memory(tmp_path):
+    """The median save, of three: on this VM touching fresh memory now and then costs ten times its usual
+    time, and the async saver's first snapshot touches its buffer fresh. Beside a neighbouring test, the mean
+    of two async saves once came to 46 ms against sync's 34 (quiet: 7-15 ms a snapshot, 31-78 ms a sync save)."""
     runs = {
         kind: train_with_checkpoints(
-            kind, tmp_path / kind, state_mb=16, steps=4, save_every=2
+            kind, tmp_path / kind, state_mb=16, steps=6, save_every=2
         )
         for kind in ("sync", "async")
     }
     sync, async_ = runs["sync"], runs["async"]
+    blocked = {kind: statistics.median(d for _, d in run.blocked_spans) for kind, run in runs.items()}
     assert sync.losses == async_.losses
-    assert async_.mean_blocked_s < sync.mean_blocked_s
+    assert blocked["async"] < blocked["sync"], f"median seconds blocked per save: {blocked}"
     assert async_.peak_rss_added_bytes > 0.5 * async_.state_bytes
-    assert [s.step for s in async_.saves] == [2, 4]
+    assert [s.step for s in async_.saves] == [2, 4, 6]
 
 
 
