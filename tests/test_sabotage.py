@@ -549,7 +549,7 @@ SABOTAGES = [
         _batch = zeropp.batch
         zeropp.batch = lambda dims, teacher, size, seed: _batch(dims, teacher, min(size, 4), seed)
     """, fails_at="microbatch-06", says="must shrink with a bigger micro-batch",
-             needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_SLOWEST_RATE),
+             needs=("de64dbe2", "fabric-run-06"), trim=TRIM_LAB6_SLOWEST_RATE, alone=True),
     Sabotage("07_checkpoints_and_fusion", "the async saver blocks until its write ends", ASYNC_SAVE_THAT_WAITS,
              fails_at="d5198ca9", says="the trainer waits for the snapshot, not the write",
              needs=('09780d08', 'plan-k', 'f13536ac')),
