@@ -5,11 +5,12 @@ diagnosis upstream, to how the dataset is *represented* (:mod:`labkit.representa
 files, packed Parquet, a tensor cache) and which engine reads it.
 
 Daft does the I/O and decoding in native threads. The resize is torch's antialiased
-bilinear kernel inside a Daft batch function: in six runs on the 2-core CI box, per
-image of this course's JPEGs, Daft's own ``resize`` (the ``image`` crate's triangle
-filter) cost 0.27-0.39 ms of CPU and torch's uint8 kernel 0.07-0.25 ms, beside a
-0.5-0.65 ms decode (:func:`stage_costs` measures it on your machine).
-``resizer="daft"`` keeps Daft's resize for comparison. The decode is not where the
+bilinear kernel inside a Daft batch function: in ten runs of Lab 2 on the 2-core CI
+box, per image of this course's JPEGs resized to 32 px, Daft's own ``resize`` (the
+``image`` crate's triangle filter) cost 0.23-0.29 ms of CPU and torch's uint8 kernel
+0.08-0.13 ms, 1.8-2.7x less (:func:`resize_costs` measures them on your machine),
+beside a 0.30-0.39 ms decode (:func:`stage_costs`). ``resizer="daft"`` keeps Daft's resize
+for comparison. The decode is not where the
 engine gains: in three of those runs Lab 1's PIL worker decoded the same images in
 0.39-0.47 ms (:func:`stage_table` sets the two paths side by side). Daft has no
 per-sample random augmentation, so :func:`augment_batch` does it on the whole batch
@@ -187,25 +188,56 @@ def stage_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 2) -> di
 
 
 def _drain_cut(frame: daft.DataFrame, stage: str, image_px: int) -> None:
-    for _ in frame.select(_cut_after(stage, image_px).alias("out")).to_arrow_iter():
+    _drain(frame, _cut_after(stage, image_px))
+
+
+def _drain(frame: daft.DataFrame, expression: daft.Expression) -> None:
+    for _ in frame.select(expression.alias("out")).to_arrow_iter():
         pass
+
+
+def resize_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 3) -> dict[str, float]:
+    """CPU milliseconds per image of each resizer, on images already decoded in memory.
+
+    Why not the cut after the resize minus the cut after the decode: a resize costs a
+    fraction of the decode, so that difference is mostly the decode's run-to-run
+    noise. In six runs on the 2-core box it put torch's resize at 0.047-0.074 ms and
+    in CI once at -0.007 ms, while decoding once and charging each resizer the CPU
+    above passing the decoded images through gave 0.083-0.089 ms (Daft's
+    0.221-0.225) in six runs on a quiet box, and 0.08-0.13 ms in ten runs of Lab 2 on a
+    busier one. Best of ``repeats``, the runs taking turns.
+    """
+    check_positive(image_px=image_px)
+    decoded = frame.select(col("path").download().decode_image(mode="RGB").alias("image")).collect()
+    images = decoded.count_rows()
+    if images == 0:
+        raise ValueError("frame must select at least one image, got an empty selection")
+    runs = {"pass-through": functools.partial(_drain, decoded, col("image"))}
+    runs |= {name: functools.partial(_drain, decoded, resized(col("image"), image_px, name)) for name in RESIZERS}
+    cpu_ms = cpu_ms_per_item(runs, images, repeats=repeats)
+    return {name: cpu_ms[name] - cpu_ms["pass-through"] for name in RESIZERS}
 
 
 STAGES = ("bytes", "decode", "resize")
 
 
 def stage_table(
-    engine_cuts: dict[str, float], pil_cuts: dict[str, float], *, resizer: str = "torch",
+    engine_cuts: dict[str, float], engine_resize: dict[str, float], pil_cuts: dict[str, float], *,
+    resizer: str = "torch",
 ) -> dict[str, tuple[float, float]]:
-    """Per stage, (PIL worker, Daft pipeline) CPU ms per image, from each path's cuts.
+    """Per stage, (PIL worker, Daft pipeline) CPU ms per image.
 
     A stage costs its cut minus the cut before it; getting the bytes is Daft's
-    ``download`` and the worker's file ``read``. The stage with the largest ratio
-    is where the engine gains; the ones near 1x bound what the whole path can gain.
+    ``download`` and the worker's file ``read``. Daft's resize is ``engine_resize``
+    (:func:`resize_costs`), measured alone: as a difference of Daft's cuts it is lost in
+    the decode's noise. The PIL worker runs in one thread, where its cuts resolve the
+    resize. The stage with the largest ratio is where the engine gains; the ones near
+    1x bound what the whole path can gain.
     """
     if resizer not in RESIZERS:
         raise ValueError(f"resizer must be one of {RESIZERS}, got {resizer!r}")
-    engine = _steps((engine_cuts["download"], engine_cuts["decode"], engine_cuts[f"resize: {resizer}"]))
+    download, decode = engine_cuts["download"], engine_cuts["decode"]
+    engine = (download, decode - download, engine_resize[resizer])
     pil = _steps((pil_cuts["read"], pil_cuts["decode"], pil_cuts["resize"]))
     return dict(zip(STAGES, zip(pil, engine)))
 

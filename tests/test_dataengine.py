@@ -268,17 +268,26 @@ def test_stage_costs_charge_every_cut_and_decode_costs_more_than_download(select
     assert costs["decode"] > costs["download"]
 
 
-def test_stage_table_charges_each_stage_its_cut_minus_the_one_before():
+def test_resize_costs_charge_each_resizer_alone_and_torch_costs_less(selected):
+    costs = dataengine.resize_costs(selected, IMAGE_PX, repeats=2)
+    assert tuple(costs) == dataengine.RESIZERS
+    assert 0 < costs["torch"] < costs["daft"]
+    with pytest.raises(ValueError, match="empty selection"):
+        dataengine.resize_costs(selected.where(daft.col("label") < 0), IMAGE_PX)
+
+
+def test_stage_table_charges_each_stage_its_cut_minus_the_one_before_and_the_resize_alone():
     engine = {"download": 0.1, "decode": 0.6, "resize: daft": 0.95, "resize: torch": 0.75}
+    resize_alone = {"daft": 0.3, "torch": 0.12}
     pil = {"read": 0.05, "decode": 0.65, "resize": 1.0}
-    table = dataengine.stage_table(engine, pil)
+    table = dataengine.stage_table(engine, resize_alone, pil)
     assert tuple(table) == dataengine.STAGES
-    expected = {"bytes": (0.05, 0.1), "decode": (0.6, 0.5), "resize": (0.35, 0.15)}
+    expected = {"bytes": (0.05, 0.1), "decode": (0.6, 0.5), "resize": (0.35, 0.12)}
     for stage, (pil_ms, engine_ms) in expected.items():
         assert table[stage] == pytest.approx((pil_ms, engine_ms))
-    assert dataengine.stage_table(engine, pil, resizer="daft")["resize"][1] == pytest.approx(0.35)
+    assert dataengine.stage_table(engine, resize_alone, pil, resizer="daft")["resize"][1] == pytest.approx(0.3)
     with pytest.raises(ValueError, match="resizer must be one of"):
-        dataengine.stage_table(engine, pil, resizer="bicubic")
+        dataengine.stage_table(engine, resize_alone, pil, resizer="bicubic")
 
 
 def test_the_native_runner_can_be_asked_for_twice_in_one_process():

@@ -348,6 +348,29 @@ SABOTAGES = [
     """, fails_at="525158c7", says="it still decodes",
              needs=('ea9b2598', 'ec76baf4', '9134b9d0', '5ba0b5c1', 'ea4635fe', '4feeaa4a', '5c81458e', '4b08e460'),
              alone=True),
+    Sabotage("02_data_engine", "torch's resize works in float64 instead of on the uint8 image", """
+        import daft
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        from daft import DataType
+        from labkit import dataengine
+
+        def _float_resize(image_px):
+            shape = (image_px, image_px, 3)
+
+            @daft.func.batch(return_dtype=DataType.tensor(DataType.uint8(), shape=shape), use_process=False)
+            def resize_in_float64(images):
+                out = np.empty((len(images), *shape), dtype=np.uint8)
+                for row, pixels in enumerate(images.to_pylist()):
+                    chw = torch.from_numpy(np.require(pixels, requirements="W")).permute(2, 0, 1)[None].double()
+                    small = F.interpolate(chw, size=shape[:2], mode="bilinear", antialias=True)
+                    out[row] = small[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
+                return out
+            return resize_in_float64
+        dataengine.torch_resize = _float_resize
+    """, fails_at="5ba0b5c1", says="torch's resize alone costs less CPU than Daft's",
+             needs=('ea9b2598', 'ec76baf4', '9134b9d0'), alone=True),
     Sabotage("02_data_engine", "the packed file puts every image in its own row group", """
         from labkit import representations
         _packed = representations.write_packed
