@@ -9,13 +9,12 @@ bilinear kernel inside a Daft batch function: in ten runs of Lab 2 on the 2-core
 box, per image of this course's JPEGs resized to 32 px, Daft's own ``resize`` (the
 ``image`` crate's triangle filter) cost 0.23-0.29 ms of CPU and torch's uint8 kernel
 0.08-0.13 ms, 1.8-2.7x less (:func:`resize_costs` measures them on your machine),
-beside a 0.30-0.39 ms decode (:func:`stage_costs`). ``resizer="daft"`` keeps Daft's resize
-for comparison. The decode is not where the
-engine gains: in three of those runs Lab 1's PIL worker decoded the same images in
-0.39-0.47 ms (:func:`stage_table` sets the two paths side by side). Daft has no
-per-sample random augmentation, so :func:`augment_batch` does it on the whole batch
-in torch, on the accelerator where there is one. The same pipeline on a Ray
-cluster is :mod:`labkit.daft_runners`.
+beside a 0.30-0.39 ms decode (:func:`stage_costs`). ``resizer="daft"`` keeps Daft's
+resize for comparison. The decode is not where the engine gains: in the same ten runs
+Lab 1's PIL worker decoded the same images in 0.27-0.39 ms (:func:`stage_table` sets
+the two paths side by side). Daft has no per-sample random augmentation, so
+:func:`augment_batch` does it on the whole batch in torch, on the accelerator where
+there is one. The same pipeline on a Ray cluster is :mod:`labkit.daft_runners`.
 """
 
 from __future__ import annotations
