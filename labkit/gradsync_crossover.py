@@ -55,8 +55,8 @@ other work slowed the ceiling's own turn). Syncing every micro-batch instead fal
 far below it on a quiet machine. The longest window is 256 micro-batches: in ten runs of
 Lab 5 on a quiet 2-core box it reached 1.43-1.80x one rank, 77-91% of a ceiling of
 1.68-1.98x, while a window of 64 gave 1.24-1.52x (once under 1.25x, in ten earlier runs too).
-On a day when the host stole time from one core at a time (the two ranks' steps at the same moment
-differed up to 2x, and one rank's own steps 2x between rounds), two rounds once gave 58% and, in ten
+On a noisy day (the two ranks' steps at the same moment differed up to 2x, and one rank's own steps
+2x between rounds, with next to no time stolen by the hypervisor), two rounds once gave 58% and, in ten
 runs with the three points back to back, 64-99%: so each point takes the fastest of three rounds
 (73-107% in ten runs that day, the ceiling 1.24-1.71x one rank).
 """
