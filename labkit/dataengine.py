@@ -207,7 +207,7 @@ def resize_costs(frame: daft.DataFrame, image_px: int, *, repeats: int = 3) -> d
     busier one. Best of ``repeats``, the runs taking turns.
     """
     check_positive(image_px=image_px)
-    decoded = frame.select(col("path").download().decode_image(mode="RGB").alias("image")).collect()
+    decoded = frame.select(_cut_after("decode", image_px).alias("image")).collect()
     images = decoded.count_rows()
     if images == 0:
         raise ValueError("frame must select at least one image, got an empty selection")
