@@ -905,3 +905,8 @@ if __name__ == "__main__":
             check_trims_alone(Path(folder), tuple(sys.argv[2:]))
         finally:
             close_zygote()
+            # The kernels were killed at shutdown, so their fork servers' folders stay; pytest's session sweeps
+            # them (conftest.py), and so does this run.
+            from labkit.launcher import remove_stale_dirs
+
+            remove_stale_dirs()
