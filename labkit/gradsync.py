@@ -175,8 +175,8 @@ def train_rank(
     rows = []
     for rate_gbit in fastest_first:
         _use_rate(rate_gbit, links, counter, rank)
+        warmup = sizes.warmup_steps if rate_gbit == fastest_first[0] else 0
         for mode in MODES:
-            warmup = sizes.warmup_steps if rate_gbit == fastest_first[0] else 0
             rows.append({"rate_gbit": rate_gbit, "mode": mode, "accumulation": accumulation,
                          **_measure_mode(STEP_FNS[mode], ddp, optimizer, counter, sizes, device, rank, world_size,
                                          warmup)})
