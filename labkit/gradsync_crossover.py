@@ -60,8 +60,8 @@ On a noisy day (the two ranks' steps at the same moment differed up to 2x, and o
 runs with the three points back to back, 64-99%: so each point took the fastest of three rounds
 (73-107% in ten runs that day, the ceiling 1.24-1.71x one rank). Over thirty-one runs of three rounds the
 longest window came to 64-107% of the ceiling, and once, at 65% of a ceiling of 1.32x one rank, it fell
-below one rank alone (0.86x) while its window of 64 reached 80%: a slow spell in the longest window's turns.
-Each point now takes the fastest of four rounds.
+below one rank alone (0.86x) while its window of 64 reached 80%, so the dip came in the longest window's own
+turns (why, it did not show). Each point now takes the fastest of four rounds.
 """
 SPARE_CORE = 1.2
 """Two ranks must beat one only where two ranks with no communication reach this many times one rank:
