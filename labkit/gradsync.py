@@ -171,6 +171,10 @@ def train_rank(
     _use_rate(max(rates_gbit), links, counter, rank)   # the check does not depend on the rate: run it where it is cheap
     result["same_update_max_diff"] = _update_difference(ddp, optimizer, micro_batches(rank, 0, 4, micro_batch, hidden, device))
     rows = []
+    # In the given order (slowest first in the lab), each mode warming up at every rate. Run fastest first with
+    # one warm-up in all, the diagnosis that follows at 0.5 Gbit/s (after the 0.1 Gbit/s rows) found delayed
+    # sync's communication at 0.94-1.41x the ring model in twenty runs, five outside its band; 0.93-1.04 in twenty
+    # runs in this order.
     for rate_gbit in rates_gbit:
         _use_rate(rate_gbit, links, counter, rank)
         for mode in MODES:
@@ -217,11 +221,7 @@ def _measure_mode(step_fn: Callable[..., float], ddp: nn.Module, optimizer: torc
     """Time one sync mode at the current link rate; the slowest rank's step time, and per-step byte counts.
 
     The counter and the uplink's kernel counters are read from the first measured
-    step on, so warm-up traffic is not counted. Each mode warms up at every rate: run
-    fastest first with one warm-up in all, the diagnosis that follows at 0.5 Gbit/s
-    (after the 0.1 Gbit/s rows) found delayed sync's communication at 0.94-1.41x the
-    ring model in twenty runs, five of them outside its band, against 0.93-1.04 in
-    twenty runs in this order.
+    step on, so warm-up traffic is not counted.
     """
     bytes_before: list[tuple[int, int]] = []
 
